@@ -1,0 +1,137 @@
+"""NVFP4 weight container and the public quantize / dequantize entry points.
+
+Layout (DESIGN "Formats", fixed): W[N, K], K % 16 == 0
+    packed       uint8          [N, K/2]   byte (n, j) = code(W[n, 2j]) | code(W[n, 2j+1]) << 4
+    block_scale  float8_e4m3fn  [N, K/16]  one scale per 16 consecutive K, row-major
+    global_scale float32        []         W = e2m1 · float(block_scale) · global_scale
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from atlas import ops, reference
+from atlas._validate import check_tensor
+
+
+@dataclass(eq=False)
+class NVFP4Weight:
+    """An NVFP4 weight W[N, K] in the checkpoint layout.
+
+    Attributes:
+        packed: uint8 [N, K/2], two E2M1 codes per byte (low nibble = even K index).
+        block_scale: float8_e4m3fn [N, K/16].
+        global_scale: float32 [] (a 0-dim tensor on the same device, so kernels read it without
+            a host sync).
+    A kernel that wants another device layout derives it once through `derived()`; the
+    tensors above are never changed or padded.
+
+    Example:
+        >>> q = NVFP4Weight.from_modelopt(torch.zeros(8, 16, dtype=torch.uint8),
+        ...     torch.ones(8, 2).to(torch.float8_e4m3fn), torch.tensor(0.5))
+        >>> q.shape
+        (8, 32)
+    """
+
+    packed: Tensor
+    block_scale: Tensor
+    global_scale: Tensor
+    _derived: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        op = "NVFP4Weight"
+        check_tensor(op, "packed", self.packed, dtype=torch.uint8, ndim=2, what="uint8 [N, K/2]")
+        n, half_k = self.packed.shape
+        check_tensor(op, "block_scale", self.block_scale, dtype=torch.float8_e4m3fn,
+                     shape=(n, half_k // 8), device=self.packed.device, what="e4m3 [N, K/16]")
+        if half_k % 8 != 0:
+            raise ValueError(f"{op}: K = {2 * half_k} must be a multiple of 16")
+        check_tensor(op, "global_scale", self.global_scale, dtype=torch.float32,
+                     device=self.packed.device, what="float32 scalar")
+        if self.global_scale.numel() != 1:
+            raise ValueError(f"{op}: global_scale must be a scalar, got shape {list(self.global_scale.shape)}")
+        self.global_scale = self.global_scale.reshape(())
+        self.packed = self.packed.contiguous()
+        self.block_scale = self.block_scale.contiguous()
+
+    # ---- construction from checkpoint dialects ----------------------------------------------
+    @classmethod
+    def from_modelopt(cls, weight: Tensor, weight_scale: Tensor, weight_scale_2: Tensor) -> "NVFP4Weight":
+        """ModelOpt: weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], weight_scale_2 f32 (a
+        multiplier: global_scale = weight_scale_2). Zero or non-finite scale → ValueError."""
+        gs = _checked_global_scale("from_modelopt", "weight_scale_2", weight_scale_2)
+        return cls(weight, weight_scale, gs)
+
+    @classmethod
+    def from_compressed_tensors(cls, weight_packed: Tensor, weight_scale: Tensor,
+                                weight_global_scale: Tensor) -> "NVFP4Weight":
+        """compressed-tensors: weight_packed uint8 [N, K/2], weight_scale e4m3 [N, K/16],
+        weight_global_scale f32 (a divisor: global_scale = 1 / weight_global_scale)."""
+        g = _checked_global_scale("from_compressed_tensors", "weight_global_scale", weight_global_scale)
+        return cls(weight_packed, weight_scale, (1.0 / g.double()).float())
+
+    # ---- properties -------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a GEMV streams: N·K/2 + N·K/16 (+4 for the global scale)."""
+        return self.packed.numel() + self.block_scale.numel() + 4
+
+    def to(self, device) -> "NVFP4Weight":
+        return NVFP4Weight(self.packed.to(device), self.block_scale.to(device), self.global_scale.to(device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize_nvfp4(self, dtype)
+
+    def rows(self, start: int, stop: int) -> "NVFP4Weight":
+        """Rows [start, stop) as a view sharing storage and global scale (a row prefix of an LM
+        head, or one half of a fused gate_up)."""
+        return NVFP4Weight(self.packed[start:stop], self.block_scale[start:stop], self.global_scale)
+
+    def derived(self, name: str, make: Callable[["NVFP4Weight"], object]):
+        """A device layout derived once from this weight (e.g. an interleaved copy for a
+        kernel) and cached under `name`."""
+        if name not in self._derived:
+            self._derived[name] = make(self)
+        return self._derived[name]
+
+
+def _checked_global_scale(op: str, name: str, t: Tensor) -> Tensor:
+    check_tensor(op, name, t, dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16))
+    if t.numel() != 1:
+        raise ValueError(f"{op}: {name} must be a scalar, got shape {list(t.shape)}")
+    v = float(t.reshape(()).item())  # load time: a host read is fine here
+    if not (v == v and abs(v) != float("inf")) or v == 0.0:
+        raise ValueError(f"{op}: {name} must be finite and non-zero, got {v}")
+    return t.reshape(()).float()
+
+
+def quantize_nvfp4(w: Tensor) -> NVFP4Weight:
+    """Quantize a float weight [N, K] (K % 16 == 0) to NVFP4 (GPU: our kernel, else reference).
+
+    Rounding: E2M1 round-to-nearest-even with saturation at ±6, E4M3 block scales RNE and
+    saturating, quantized with the rounded block scale; global scale amax / (6·448), 1.0 for an
+    all-zero weight. A block whose scale underflows E4M3 stores scale 0 and zero codes.
+    Raises ValueError for NaN/Inf input (this is a load-time op: it reads one flag back).
+    """
+    if isinstance(w, torch.Tensor) and w.is_floating_point() and not bool(torch.isfinite(w).all()):
+        raise ValueError("quantize_nvfp4: w must be finite, got NaN or Inf values")
+    packed, block_scale, global_scale = ops.quantize_nvfp4(w)
+    return NVFP4Weight(packed, block_scale, global_scale)
+
+
+def dequantize_nvfp4(q: NVFP4Weight, dtype: torch.dtype = torch.float32) -> Tensor:
+    """NVFP4Weight → dense [N, K] of dtype (float32 math)."""
+    if not isinstance(q, NVFP4Weight):
+        raise TypeError(f"dequantize_nvfp4: q must be an NVFP4Weight, got {type(q).__name__}")
+    return reference.dequantize_nvfp4(q.packed, q.block_scale, q.global_scale, dtype)

@@ -1,0 +1,106 @@
+"""Plain-torch references of every atlas op: the CPU path and the test oracle.
+
+Float32 math, written to be obviously right rather than fast. Kernels in csrc/ are checked
+against these; quantization is bit-exact, everything else within a precision-fitting bound.
+Glossary (DESIGN.md): T rows, B sequences, nq/nkv/hd heads and head dim, h hidden,
+M ≤ 32 GEMV rows, N×K weight, bs block size.
+"""
+from __future__ import annotations
+
+import torch
+
+# =============================================================================================
+# NVFP4: E2M1 elements × E4M3 block scales (16 along K) × one float32 global scale
+# =============================================================================================
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude index 0..7; bit 3 = sign
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+NVFP4_BLOCK = 16
+
+
+def e2m1_lut(device=None) -> torch.Tensor:
+    """float32 [16]: value of each 4-bit code (codes 8..15 are the negatives; 8 is -0)."""
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return torch.cat([mags, -mags])
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """float32 → uint8 E2M1 codes, round-to-nearest-even with saturation at ±6.
+
+    Decision thresholds on |v| (ties go to the even code): ≤0.25→0, <0.75→0.5, ≤1.25→1,
+    <1.75→1.5, ≤2.5→2, <3.5→3, ≤5→4, else 6. The sign bit is v's sign bit (−0.1 → code 8, −0).
+    NaN inputs are the caller's problem (quantize_nvfp4 rejects them)."""
+    a = v.abs()
+    idx = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
+           + (a > 2.5) + (a >= 3.5) + (a > 5.0))
+    sign = torch.signbit(v).to(torch.uint8) << 3
+    return idx.to(torch.uint8) | sign
+
+
+def e4m3_rne_satfinite(v: torch.Tensor) -> torch.Tensor:
+    """float32 → float8_e4m3fn, round-to-nearest-even, saturating at ±448 (torch's cast alone
+    turns values past the top binade into NaN, so clamp first; the clamp is exact)."""
+    return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """float32 [] = amax / (6·448), or 1.0 when amax is 0 (an all-zero weight)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+
+
+def quantize_nvfp4(w: torch.Tensor):
+    """BF16/F16/F32 [N, K] → (packed uint8 [N, K/2], block_scale e4m3 [N, K/16], global_scale f32 []).
+
+    global_scale = amax(|w|) / (6·448) (1.0 when amax is 0). Per 16-block along K:
+    s = e4m3_rne_satfinite(block_amax / 6 / global_scale); elements
+    e2m1_rne_satfinite(x / (float(s) · global_scale)), with every code 0 where that divisor is 0.
+    A block whose scale underflows E4M3 (block_amax < 2^-10 · 6 · global_scale, i.e. below
+    ~2^-10/448 of the tensor's amax) therefore stores scale 0 and zero codes.
+    Low nibble = even element: byte (n, j) = code[n, 2j] | code[n, 2j+1] << 4.
+    The caller guarantees finite input (atlas.quantize_nvfp4 raises on NaN/Inf)."""
+    n, k = w.shape
+    x = w.float().reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    gs = nvfp4_global_scale(x.abs().amax())
+    block_amax = x.abs().amax(dim=-1)                              # [N, K/16]
+    s = e4m3_rne_satfinite(block_amax / E2M1_MAX / gs)              # [N, K/16] e4m3
+    denom = (s.float() * gs).unsqueeze(-1)                          # [N, K/16, 1]
+    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+    codes = torch.where(denom > 0, e2m1_encode(x / safe), torch.zeros((), dtype=torch.uint8))
+    codes = codes.reshape(n, k // 2, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)
+    return packed.contiguous(), s.contiguous(), gs.reshape(())
+
+
+def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(packed uint8 [N, K/2], block_scale e4m3 [N, K/16], global_scale f32 []) → [N, K] of dtype.
+    W = e2m1 · float(block_scale) · global_scale, computed in float32."""
+    n = packed.shape[0]
+    lut = e2m1_lut(packed.device)
+    lo = lut[(packed & 0xF).long()]
+    hi = lut[(packed >> 4).long()]
+    vals = torch.stack([lo, hi], dim=-1).reshape(n, -1, NVFP4_BLOCK)   # [N, K/16, 16]
+    scale = block_scale.float().unsqueeze(-1) * global_scale.float()
+    return (vals * scale).reshape(n, -1).to(dtype)
+
+
+# =============================================================================================
+# w4a16_gemv family (GEMV work: insert below)
+# =============================================================================================
+
+
+# =============================================================================================
+# reshape_and_cache (paged KV work: insert below)
+# =============================================================================================
+
+
+# =============================================================================================
+# paged_decode (paged KV work: insert below)
+# =============================================================================================
+
+
+# =============================================================================================
+# small layer ops: rms_norm, rope, sigmoid gate, argmax, moe routing (layer work: insert below)
+# =============================================================================================
