@@ -134,13 +134,6 @@ def write_results(name: str, rows: Sequence[dict], meta: dict | None = None,
         f.write(text)
     with open(os.path.join(RESULTS_DIR, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "rows": list(rows)}, f, indent=1)
-    out_dir = os.environ.get("OUT")  # the device tool's return folder, when there is one
-    if out_dir:
-        os.makedirs(os.path.join(out_dir, "results"), exist_ok=True)
-        for ext in (".md", ".json"):
-            src = os.path.join(RESULTS_DIR, name + ext)
-            with open(src) as fi, open(os.path.join(out_dir, "results", name + ext), "w") as fo:
-                fo.write(fi.read())
     print(text, flush=True)
     return text
 
