@@ -41,7 +41,10 @@ def quantize_nvfp4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if w.shape[1] % 16 != 0:
         raise ValueError(f"{op}: w must have K % 16 == 0, got shape {list(w.shape)}")
     if use_kernel(w):
-        return torch.ops.atlas.quantize_nvfp4(w.contiguous())
+        w = w.contiguous()
+        if w.data_ptr() % 16:  # the kernel reads 16-byte vectors
+            w = w.clone()
+        return torch.ops.atlas.quantize_nvfp4(w)
     return reference.quantize_nvfp4(w)
 
 

@@ -47,7 +47,9 @@ def e4m3_rne_satfinite(v: torch.Tensor) -> torch.Tensor:
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """float32 [] = amax / (6·448), or 1.0 when amax is 0 (an all-zero weight)."""
     amax = amax.float()
-    return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+    # Divide by a full tensor, not a Python scalar: torch's CUDA division by a scalar multiplies
+    # by its reciprocal, which is not bit-exact with the kernel's IEEE division.
+    return torch.where(amax > 0, amax / torch.full_like(amax, E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
 
 
 def quantize_nvfp4(w: torch.Tensor):
@@ -64,7 +66,7 @@ def quantize_nvfp4(w: torch.Tensor):
     x = w.float().reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
     gs = nvfp4_global_scale(x.abs().amax())
     block_amax = x.abs().amax(dim=-1)                              # [N, K/16]
-    s = e4m3_rne_satfinite(block_amax / E2M1_MAX / gs)              # [N, K/16] e4m3
+    s = e4m3_rne_satfinite(block_amax / torch.full_like(block_amax, E2M1_MAX) / gs)  # [N, K/16] e4m3
     denom = (s.float() * gs).unsqueeze(-1)                          # [N, K/16, 1]
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
     codes = torch.where(denom > 0, e2m1_encode(x / safe), torch.zeros((), dtype=torch.uint8))
@@ -104,3 +106,40 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_sca
 # =============================================================================================
 # small layer ops: rms_norm, rope, sigmoid gate, argmax, moe routing (layer work: insert below)
 # =============================================================================================
+
+# ---- argmax / moe_route / embedding (MTP work) ---------------------------------------------
+
+
+def argmax(logits: torch.Tensor):
+    """Row-wise greedy pick with its top-1 softmax probability.
+
+    logits [R, V] bf16 | f32 → (ids int64 [R], prob float32 [R]).
+    ids[r] = the lowest index among the maxima of row r (torch.argmax returns the first one);
+    prob[r] = 1 / Σ_v exp(logits[r, v] − max_r) = softmax(logits[r])[ids[r]], float32 math."""
+    x = logits.float()
+    ids = torch.argmax(x, dim=-1)
+    m = x.gather(-1, ids.unsqueeze(-1))
+    prob = 1.0 / torch.exp(x - m).sum(dim=-1)
+    return ids.to(torch.int64), prob.to(torch.float32)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool = True):
+    """MoE router: softmax over all E experts in float32, top-k, optional renormalization.
+
+    logits [T, E] bf16 | f32 → (ids int32 [T, k], weights float32 [T, k]).
+    Experts are ranked by logit (softmax is monotonic, so this is the rank by probability
+    without the ties that rounding of the probabilities would add); among equal logits the
+    lowest expert index wins. Slot j holds the j-th best expert. weights = softmax(logits)[ids],
+    divided by their sum when `renormalize` (Qwen3 `norm_topk_prob`)."""
+    x = logits.float()
+    probs = torch.softmax(x, dim=-1)
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [T, k]
+    w = probs.gather(-1, order)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return order.to(torch.int32), w.to(torch.float32)
+
+
+def embedding(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gather rows: table [V, h], ids int32|int64 [T] in [0, V) → [T, h] (same dtype, exact)."""
+    return table.index_select(0, ids.long())
