@@ -39,7 +39,12 @@ def _extension():
             "cxx": ["-O3", "-std=c++17"],
             # No --use_fast_math: quantization must divide exactly (IEEE) to be bit-exact with the
             # reference; kernels that want fast intrinsics (__expf) call them by name.
-            "nvcc": ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"],
+            # torch adds -D__CUDA_NO_HALF_OPERATORS__ & co.; kernels are lean CUDA written
+            # against the plain CUDA headers, so undo them (as vLLM does).
+            "nvcc": ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr",
+                     "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                     "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+                     "-U__CUDA_NO_BFLOAT16_OPERATORS__"],
         },
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

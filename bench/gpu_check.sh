@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One command for a fresh GPU machine: build the extension, run the CUDA tests (also once under
+# compute-sanitizer memcheck), run the benches, and print a short table last.
+#
+#   bench/gpu_check.sh [stages...]     stages: build info test memcheck bench bench-quick peers
+#   default: build info test memcheck bench
+#
+# Logs and bench/results go to $OUT (the device tool's return folder) when set, else /tmp/atlas_gpu.
+# FlashInfer (peer for bench_attention) is installed from .peers/*.whl when that folder exists.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/atlas_gpu}
+mkdir -p "$OUT"
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(build info test memcheck bench)
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+SUMMARY=()
+has() { local s; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+run_stage() {  # name logfile command...
+  local name=$1 log=$2; shift 2
+  local t0=$(date +%s)
+  "$@" >"$OUT/$log" 2>&1
+  local rc=$?
+  local dt=$(( $(date +%s) - t0 ))
+  local last=$(grep -E "passed|failed|error|ERROR SUMMARY|Error" "$OUT/$log" | tail -1 | cut -c1-90)
+  SUMMARY+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$dt" "$last")")
+  echo "== $name: rc=$rc (${dt}s) $last"
+  return $rc
+}
+
+if has peers || has bench; then
+  if ls .peers/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .peers/*.whl \
+      && export PYTHONPATH=/tmp/site FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+  fi
+fi
+if has build; then
+  run_stage build build.log python3 -m pip install -v -e . --no-build-isolation --no-deps || { tail -40 "$OUT/build.log"; }
+fi
+if has info; then
+  run_stage info info.log python3 -m atlas info
+  cat "$OUT/info.log" | tail -15
+fi
+if has test; then
+  run_stage test test.log python3 -m pytest -m cuda -q -x --durations=15 -p no:cacheprovider
+  grep -E "FAILED|Error|error" "$OUT/test.log" | head -30
+fi
+if has memcheck; then
+  # The whole CUDA suite once under memcheck (slow: the heaviest shapes are marked `slow`).
+  run_stage memcheck memcheck.log compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 20 \
+    python3 -m pytest -m "cuda and not slow" -q -x -p no:cacheprovider
+  grep -E "ERROR SUMMARY|Invalid|FAILED" "$OUT/memcheck.log" | head -20
+fi
+if has bench || has bench-quick; then
+  q=""; has bench-quick && q="--quick"
+  : >"$OUT/bench.log"
+  for b in bench/bench_*.py; do
+    run_stage "$(basename "$b" .py | sed 's/bench_//')" "bench_$(basename "$b" .py).log" python3 "$b" $q
+    cat "$OUT/bench_$(basename "$b" .py).log" >>"$OUT/bench.log"; rm -f "$OUT/bench_$(basename "$b" .py).log"
+  done
+  tar -czf "$OUT/results.tgz" bench/results
+fi
+
+echo
+echo "================ atlas gpu_check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)) ================"
+for line in "${SUMMARY[@]}"; do echo "$line"; done
