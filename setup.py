@@ -36,7 +36,7 @@ def _extension():
         sources=SOURCES,
         include_dirs=[os.path.join(HERE, "csrc")],
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17"],
+            "cxx": ["-O3"],  # torch picks the C++ standard its headers need (C++20 from 2.14)
             # No --use_fast_math: quantization must divide exactly (IEEE) to be bit-exact with the
             # reference; kernels that want fast intrinsics (__expf) call them by name.
             # torch adds -D__CUDA_NO_HALF_OPERATORS__ & co.; kernels are lean CUDA written
