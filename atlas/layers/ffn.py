@@ -1,0 +1,305 @@
+"""Feed-forward blocks of Qwen3-family decoder layers: dense SwiGLU MLP and sparse MoE.
+
+    DenseMLP:   y = down(silu(gate(x)) · up(x))
+    SparseMoE:  p = softmax(x · W_router^T) over all E experts (float32);
+                top-k experts per row (lowest index wins ties), weights renormalized when
+                cfg.norm_topk_prob; y = Σ_j w_j · expert_{id_j}(x) + sigmoid(x · w_sg) · shared(x)
+                where every expert and the shared expert is a DenseMLP-shaped SwiGLU.
+
+Weights arrive under HF checkpoint names (`{prefix}gate_proj.weight`, `{prefix}gate.weight`,
+`{prefix}experts.{e}.down_proj.weight`, or the fused `{prefix}experts.gate_up_proj` [E, 2I, h]
+gate half first and `{prefix}experts.down_proj` [E, h, I]) in any supported dialect (BF16;
+ModelOpt or compressed-tensors NVFP4; Qwen FP8 block-scaled), detected per module from its keys
+and converted once at load to `weight_format` ("bf16" | "fp8" | "nvfp4").
+
+Routing never leaves the GPU: router logits → `ops.moe_route` → fixed-size ids int32 [T, k] and
+weights f32 [T, k], and the experts run over those index tensors (see `ExpertBank`), so the
+whole block is CUDA-graph capturable. Precision: expert and shared-expert outputs are BF16 (as
+each projection's output is), their weighted sum is accumulated in float32 and rounded to BF16
+once; the router logits are BF16 (the projection's output, as in HF) and are softmaxed in fp32.
+The router and the shared-expert gate (E·h and h weights, ≤ 2 MB) always run in BF16: routing
+decisions are the most precision-sensitive part of the block and too small to be worth
+quantizing (ModelOpt and llm-compressor leave them unquantized too).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from atlas import ops
+from atlas.fp8 import FP8_BLOCK
+from atlas.linear import Linear, convert_weight, load_linears, load_weight
+from atlas.reference import e2m1_lut
+
+
+def _need(sd: Mapping[str, Tensor], key: str) -> Tensor:
+    if key not in sd:
+        raise KeyError(f"ffn: missing checkpoint tensor {key!r}")
+    return sd[key]
+
+
+def _expert_weight(sd: Mapping[str, Tensor], prefix: str, weight_format: str, device):
+    """One expert projection `{prefix}weight...` (any dialect) → container in weight_format."""
+    return convert_weight(load_weight(sd, prefix), weight_format, device)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) · up in float32, rounded once to BF16 (the rounding w4a16_gemv_silu fuses)."""
+    g = gate.float()
+    return (g * torch.sigmoid(g) * up.float()).to(torch.bfloat16)
+
+
+# =============================================================================================
+# Dense SwiGLU MLP
+# =============================================================================================
+
+class DenseMLP:
+    """y = down(silu(gate(x)) · up(x)); x [T, h] bf16 → [T, h] bf16.
+
+    Weights: `{prefix}gate_proj`, `{prefix}up_proj` [I, h], `{prefix}down_proj` [h, I].
+    Example:
+        >>> mlp = DenseMLP.from_state_dict(sd, "mtp.layers.0.mlp.", "bf16", "cpu")
+        >>> y = mlp(x)
+    """
+
+    def __init__(self, gate_proj, up_proj, down_proj):
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    @classmethod
+    def from_state_dict(cls, state_dict, prefix: str, weight_format: str, device) -> "DenseMLP":
+        # gate and up read the same input: one global scale when quantized here, so a fused
+        # gate+up launch (w4a16_gemv_dual) stays possible
+        gate, up = load_linears(state_dict, [f"{prefix}gate_proj.", f"{prefix}up_proj."], weight_format,
+                                device, share_global_scale=True)
+        return cls(gate, up, Linear.from_state_dict(state_dict, f"{prefix}down_proj.", weight_format, device))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(p) for p in (self.gate_proj, self.up_proj, self.down_proj))
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _nbytes(p) -> int:
+    n = getattr(p, "nbytes", None)
+    return int(n) if n is not None else 0
+
+
+# =============================================================================================
+# Expert bank: E SwiGLU experts stacked per format, run over device-side expert ids
+# =============================================================================================
+
+class _Stack:
+    """E weights of one role (gate, up or down), all [N, K], stacked in one format:
+        bf16:  w [E, N, K] bf16
+        nvfp4: packed uint8 [E, N, K/2], block_scale e4m3 [E, N, K/16], global_scale f32 [E]
+        fp8:   w e4m3 [E, N, K], scale_inv f32 [E, ceil(N/128), ceil(K/128)]
+    `dense(idx)` dequantizes the experts idx (int64 [R], on the device) to bf16 [R, N, K]."""
+
+    def __init__(self, weights: list, weight_format: str):
+        self.format = weight_format
+        if weight_format == "bf16":
+            self.t = (torch.stack(weights),)
+        elif weight_format == "nvfp4":
+            self.t = (torch.stack([w.packed for w in weights]), torch.stack([w.block_scale for w in weights]),
+                      torch.stack([w.global_scale.reshape(()) for w in weights]))
+        else:
+            self.t = (torch.stack([w.weight for w in weights]), torch.stack([w.weight_scale_inv for w in weights]))
+        self.num_experts = len(weights)
+        self.shape = tuple(weights[0].shape)
+
+    @classmethod
+    def from_dense(cls, w: Tensor, weight_format: str, device) -> "_Stack":
+        """From a fused BF16 checkpoint tensor [E, N, K]."""
+        return cls([convert_weight(w[e], weight_format, device) for e in range(w.shape[0])], weight_format)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.t)
+
+    def dense(self, idx: Tensor | None = None) -> Tensor:
+        pick = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))
+        if self.format == "bf16":
+            return pick(self.t[0])
+        n, k = self.shape
+        if self.format == "nvfp4":
+            packed, bs, gs = (pick(t) for t in self.t)                        # [R, N, K/2] ...
+            lut = e2m1_lut(packed.device).to(torch.bfloat16)                  # exact in bf16
+            vals = torch.stack([lut[(packed & 0xF).long()], lut[(packed >> 4).long()]], dim=-1)
+            vals = vals.view(-1, n, k // 16, 16).float()
+            scale = bs.float().unsqueeze(-1) * gs.view(-1, 1, 1, 1)
+            return (vals * scale).view(-1, n, k).to(torch.bfloat16)
+        w, s = (pick(t) for t in self.t)                                       # [R, N, K] e4m3
+        s = s.repeat_interleave(FP8_BLOCK, 1)[:, :n].repeat_interleave(FP8_BLOCK, 2)[:, :, :k]
+        return (w.float() * s).to(torch.bfloat16)
+
+    def chunks(self, size: int):
+        """(first expert, bf16 [c, N, K]) over consecutive chunks of ≤ size experts."""
+        for e0 in range(0, self.num_experts, size):
+            idx = torch.arange(e0, min(e0 + size, self.num_experts), device=self.t[0].device)
+            yield e0, self.dense(idx)
+
+
+class ExpertBank:
+    """E SwiGLU experts: expert_e(x) = down_e(silu(gate_e(x)) · up_e(x)), weights [I, h], [h, I].
+
+    forward(x [T, h] bf16, ids int32 [T, k], weights f32 [T, k]) → Σ_j weights[:, j] ·
+    expert_{ids[:, j]}(x) as float32 [T, h], with each expert's output rounded to BF16 first.
+    Two device-only strategies (neither reads the ids on the host, both graph-capturable):
+      "gather": dequantize/gather the T·k selected experts' weights and run batched GEMVs —
+                reads T·k experts (plus the copy); right when T·k is small (decode, B = 1).
+      "dense":  run every expert on every row (experts in chunks of `chunk` to bound scratch)
+                and combine with a dense [T, E] routing matrix — reads all E experts once;
+                right when T·k approaches E (batched propose), where most experts are hit anyway.
+    The default picks by bytes read: gather when 3·T·k < E (the gather copies and re-reads
+    what it reads), else dense. A grouped GEMV kernel that reads each hit expert once is the
+    missing piece for the floor.
+    """
+
+    def __init__(self, gate: _Stack, up: _Stack, down: _Stack):
+        self.gate, self.up, self.down = gate, up, down
+        self.num_experts = gate.num_experts
+
+    @classmethod
+    def from_state_dict(cls, state_dict, prefix: str, num_experts: int, weight_format: str, device):
+        """prefix: "...mlp.experts." — fused BF16 `gate_up_proj` [E, 2I, h] (gate half first) and
+        `down_proj` [E, h, I], or per-expert `{e}.gate_proj.` / `{e}.up_proj.` / `{e}.down_proj.`."""
+        sd = state_dict
+        if prefix + "gate_up_proj" in sd:
+            gu = sd[prefix + "gate_up_proj"]
+            down = _need(sd, prefix + "down_proj")
+            if gu.dim() != 3 or gu.shape[0] != num_experts or gu.shape[1] % 2:
+                raise ValueError(f"{prefix}gate_up_proj must be [E={num_experts}, 2I, h], got {list(gu.shape)}")
+            i = gu.shape[1] // 2
+            return cls(_Stack.from_dense(gu[:, :i], weight_format, device),
+                       _Stack.from_dense(gu[:, i:], weight_format, device),
+                       _Stack.from_dense(down, weight_format, device))
+        roles = []
+        for role in ("gate_proj", "up_proj", "down_proj"):
+            ws = [_expert_weight(sd, f"{prefix}{e}.{role}.", weight_format, device) for e in range(num_experts)]
+            roles.append(_Stack(ws, weight_format))
+        return cls(*roles)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert (all three projections)."""
+        return self.nbytes // self.num_experts
+
+    def __call__(self, x: Tensor, ids: Tensor, weights: Tensor, *, path: str | None = None,
+                 chunk: int = 32) -> Tensor:
+        t, k = ids.shape
+        if path is None:
+            path = "gather" if 3 * t * k < self.num_experts else "dense"
+        if path == "gather":
+            return self._gather(x, ids, weights)
+        if path == "dense":
+            return self._dense(x, ids, weights, chunk)
+        raise ValueError(f"ExpertBank: path must be 'gather', 'dense' or None, got {path!r}")
+
+    def _gather(self, x, ids, weights):
+        t, k = ids.shape
+        flat = ids.reshape(-1).long()                                      # [T·k]
+        xr = x.repeat_interleave(k, dim=0).unsqueeze(-1)                   # [T·k, h, 1]
+        g = torch.bmm(self.gate.dense(flat), xr).squeeze(-1)               # [T·k, I] bf16
+        u = torch.bmm(self.up.dense(flat), xr).squeeze(-1)
+        a = silu_mul(g, u).unsqueeze(-1)                                   # [T·k, I, 1]
+        d = torch.bmm(self.down.dense(flat), a).squeeze(-1)                # [T·k, h] bf16
+        return (d.float().view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _dense(self, x, ids, weights, chunk):
+        t, k = ids.shape
+        route = torch.zeros(t, self.num_experts, dtype=torch.float32, device=x.device)
+        route.scatter_add_(1, ids.long(), weights.float())                 # [T, E]
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        gates, ups, downs = self.gate.chunks(chunk), self.up.chunks(chunk), self.down.chunks(chunk)
+        for (e0, wg), (_, wu), (_, wd) in zip(gates, ups, downs):
+            g = torch.einsum("eih,th->tei", wg, x)                         # [T, c, I] bf16
+            u = torch.einsum("eih,th->tei", wu, x)
+            d = torch.einsum("ehi,tei->teh", wd, silu_mul(g, u))          # [T, c, h] bf16
+            out += (d.float() * route[:, e0:e0 + wg.shape[0], None]).sum(dim=1)
+        return out
+
+
+# =============================================================================================
+# Sparse MoE block (Qwen3-Next / Qwen3.5 / Qwen3.6 A3B)
+# =============================================================================================
+
+class SparseMoE:
+    """Router + E routed SwiGLU experts + one shared expert gated by sigmoid(x · w_sg).
+
+    x [T, h] bf16 → [T, h] bf16. Weights under `prefix` (e.g. "mtp.layers.0.mlp."): `gate.weight`
+    [E, h] (router), `experts.*` (see ExpertBank), `shared_expert.{gate,up,down}_proj`,
+    `shared_expert_gate.weight` [1, h].
+    Example:
+        >>> moe = SparseMoE.from_state_dict(cfg, sd, "mtp.layers.0.mlp.", "nvfp4", "cuda")
+        >>> y = moe(x)
+    """
+
+    def __init__(self, router: Tensor, experts: ExpertBank, shared: DenseMLP | None,
+                 shared_gate: Tensor | None, top_k: int, renormalize: bool):
+        self.router, self.experts, self.shared, self.shared_gate = router, experts, shared, shared_gate
+        self.top_k, self.renormalize = top_k, renormalize
+
+    @classmethod
+    def from_state_dict(cls, cfg, state_dict, prefix: str, weight_format: str, device) -> "SparseMoE":
+        sd = state_dict
+        e = cfg.num_experts
+        router = convert_weight(load_weight(sd, prefix + "gate."), "bf16", device)
+        if tuple(router.shape) != (e, cfg.hidden_size):
+            raise ValueError(f"{prefix}gate.weight must be [E={e}, h={cfg.hidden_size}], got {list(router.shape)}")
+        experts = ExpertBank.from_state_dict(sd, prefix + "experts.", e, weight_format, device)
+        shared = shared_gate = None
+        if any(k.startswith(prefix + "shared_expert.") for k in sd):
+            shared = DenseMLP.from_state_dict(sd, prefix + "shared_expert.", weight_format, device)
+            if prefix + "shared_expert_gate.weight" in sd:
+                shared_gate = convert_weight(load_weight(sd, prefix + "shared_expert_gate."), "bf16", device)
+        return cls(router, experts, shared, shared_gate, cfg.num_experts_per_tok,
+                   bool(getattr(cfg, "norm_topk_prob", True)))
+
+    @property
+    def nbytes(self) -> int:
+        n = self.router.numel() * 2 + self.experts.nbytes
+        if self.shared is not None:
+            n += self.shared.nbytes
+        return n
+
+    def active_nbytes(self, rows: int = 1) -> int:
+        """Weight bytes one call over `rows` rows must read at least (router, hit experts,
+        shared expert): the floor's numerator. Assumes distinct experts per row (an upper bound
+        on the distinct experts hit, capped at E)."""
+        hit = min(self.experts.num_experts, rows * self.top_k)
+        n = self.router.numel() * 2 + hit * self.experts.expert_nbytes()
+        if self.shared is not None:
+            n += self.shared.nbytes + (self.shared_gate.numel() * 2 if self.shared_gate is not None else 0)
+        return n
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, h] bf16 → (ids int32 [T, k], weights f32 [T, k]), on the device."""
+        logits = F.linear(x, self.router)                                  # [T, E] bf16
+        return ops.moe_route(logits, self.top_k, self.renormalize)
+
+    def __call__(self, x: Tensor, *, path: str | None = None) -> Tensor:
+        ids, w = self.route(x)
+        out = self.experts(x, ids, w, path=path)                           # [T, h] f32
+        if self.shared is not None:
+            s = self.shared(x).float()
+            if self.shared_gate is not None:
+                s = s * torch.sigmoid(F.linear(x, self.shared_gate).float())  # [T, 1] gate
+            out = out + s
+        return out.to(torch.bfloat16)
+
+
+def build_ffn(cfg, state_dict, prefix: str, weight_format: str, device):
+    """The FFN of a decoder layer at `prefix` ("...mlp."): SparseMoE when the state dict holds a
+    router (`{prefix}gate.weight`) and cfg.is_moe, else DenseMLP."""
+    has_router = prefix + "gate.weight" in state_dict or prefix + "gate.weight_packed" in state_dict
+    if bool(getattr(cfg, "is_moe", False)) and has_router:
+        return SparseMoE.from_state_dict(cfg, state_dict, prefix, weight_format, device)
+    return DenseMLP.from_state_dict(state_dict, prefix, weight_format, device)
