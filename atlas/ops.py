@@ -76,6 +76,114 @@ def _(w):
 # =============================================================================================
 
 
+def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                      slot_mapping: Tensor, k_scale: Optional[Tensor] = None,
+                      v_scale: Optional[Tensor] = None) -> None:
+    """Write this step's K/V rows into the paged KV cache, in place (DESIGN "Paged KV cache").
+
+    Token t goes to slot s = slot_mapping[t] = block · bs + offset, i.e. k_cache[s // bs, s % bs];
+    tokens with s < 0 (padding) are skipped. BF16 cache: an exact copy. FP8 cache: each
+    (token, kv head) row x is stored as e4m3_rne_satfinite(x / scale) with
+    scale = amax(|x|) / 448 (1.0 for an all-zero row) written to k_scale / v_scale beside it,
+    so no calibration is needed and any finite magnitude keeps E4M3's ~2^-4 relative precision.
+    Kernel and reference agree bit for bit. No host sync on CUDA; CUDA-graph capturable.
+
+    Args:
+        key: [T, nkv, hd] bf16, hd % 8 == 0, 8 ≤ hd ≤ 1024. Rows may be strided (a view into a
+            fused qkv buffer): the two inner dims contiguous, row stride ≥ nkv·hd and a multiple
+            of 8 elements, storage offset a multiple of 8 elements (16-byte aligned rows).
+        value: [T, nkv, hd] bf16, same rules as key (its own row stride).
+        k_cache: [num_blocks, bs, nkv, hd] bf16 | float8_e4m3fn, contiguous; any bs (16, 528...).
+        v_cache: like k_cache (same shape and dtype).
+        slot_mapping: int64 [T], distinct slots < num_blocks · bs, or negative to skip. On CPU a
+            slot ≥ num_blocks · bs raises; on CUDA checking would sync, so the kernel skips it.
+        k_scale, v_scale: float32 [num_blocks, bs, nkv], contiguous: required (written) for an
+            FP8 cache, must be None for a BF16 cache.
+    Returns:
+        None; k_cache, v_cache (and k_scale, v_scale) are updated at the named slots only.
+    Raises:
+        TypeError: a wrong dtype. ValueError: wrong shapes, strides, alignment, devices, a
+            missing or unexpected scale, or (CPU) a slot ≥ num_blocks · bs.
+    Example:
+        >>> key = torch.randn(3, 2, 64).bfloat16(); value = torch.randn(3, 2, 64).bfloat16()
+        >>> kc = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16); vc = torch.zeros_like(kc)
+        >>> reshape_and_cache(key, value, kc, vc, torch.tensor([17, -1, 40]))
+        >>> torch.equal(kc[1, 1], key[0])
+        True
+    """
+    op = "reshape_and_cache"
+    check_tensor(op, "key", key, dtype=torch.bfloat16, ndim=3, what="[T, nkv, hd]")
+    t, nkv, hd = key.shape
+    if hd % 8 != 0 or not 8 <= hd <= 1024:
+        raise ValueError(f"{op}: key must have head_dim hd % 8 == 0 and 8 ≤ hd ≤ 1024, "
+                         f"got shape {list(key.shape)}")
+    check_tensor(op, "value", value, dtype=torch.bfloat16, shape=(t, nkv, hd), device=key.device,
+                 what="[T, nkv, hd] like key")
+    for name, rows in (("key", key), ("value", value)):
+        _check_kv_rows(op, name, rows)
+    check_tensor(op, "k_cache", k_cache, dtypes=(torch.bfloat16, torch.float8_e4m3fn), ndim=4,
+                 device=key.device, what="[num_blocks, bs, nkv, hd]")
+    num_blocks, bs = k_cache.shape[:2]
+    check_tensor(op, "k_cache", k_cache, shape=(None, None, nkv, hd), contiguous=True,
+                 what=f"[num_blocks, bs, nkv={nkv}, hd={hd}] (nkv, hd of key)")
+    check_tensor(op, "v_cache", v_cache, dtype=k_cache.dtype, shape=tuple(k_cache.shape),
+                 device=key.device, contiguous=True, what="like k_cache")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (cache.storage_offset() * cache.element_size()) % 16 != 0:
+            raise ValueError(f"{op}: {name} must start 16-byte aligned, got storage offset "
+                             f"{cache.storage_offset()}")
+    check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, shape=(t,), device=key.device,
+                 what="[T]")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not fp8:
+            if scale is not None:
+                raise ValueError(f"{op}: {name} must be None for a bf16 cache, got a tensor")
+            continue
+        if scale is None:
+            raise ValueError(f"{op}: {name} float32 [num_blocks, bs, nkv] is required for a "
+                             f"float8_e4m3fn cache, got None")
+        check_tensor(op, name, scale, dtype=torch.float32, shape=(num_blocks, bs, nkv),
+                     device=key.device, contiguous=True, what="[num_blocks, bs, nkv]")
+    if not slot_mapping.is_cuda and t > 0:  # a CUDA tensor would need a sync: the kernel skips
+        top = int(slot_mapping.max())
+        if top >= num_blocks * bs:
+            raise ValueError(f"{op}: slot_mapping must hold slots < num_blocks·bs = "
+                             f"{num_blocks}·{bs} = {num_blocks * bs}, got {top}")
+    if use_kernel(key, value, k_cache, v_cache, slot_mapping):
+        torch.ops.atlas.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    else:
+        reference.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def _check_kv_rows(op: str, name: str, x: Tensor) -> None:
+    """[T, nkv, hd] bf16 rows the kernel reads with 16-byte loads: inner dims contiguous, rows
+    ≥ nkv·hd apart (no overlap) and 16-byte aligned. Strides of size-1 dims do not matter."""
+    t, nkv, hd = x.shape
+    if x.stride(2) != 1 or (nkv > 1 and x.stride(1) != hd):
+        raise ValueError(f"{op}: {name} must have contiguous [nkv, hd] rows (strides (*, {hd}, 1)), "
+                         f"got strides {x.stride()}")
+    if t > 1 and (x.stride(0) < nkv * hd or x.stride(0) % 8 != 0):
+        raise ValueError(f"{op}: {name} must have a row stride ≥ nkv·hd = {nkv * hd} and a multiple "
+                         f"of 8 elements, got strides {x.stride()}")
+    if x.storage_offset() % 8 != 0:
+        raise ValueError(f"{op}: {name} must start 16-byte aligned (storage offset a multiple of 8 "
+                         f"elements), got storage offset {x.storage_offset()}")
+
+
+@torch.library.custom_op("atlas::reshape_and_cache",
+                         mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
+def _reshape_and_cache_kernel(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                              slot_mapping: Tensor, k_scale: Optional[Tensor],
+                              v_scale: Optional[Tensor]) -> None:
+    _C.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+@_reshape_and_cache_kernel.register_fake
+def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+    return None
+
+
 # =============================================================================================
 # paged_decode (paged KV work: insert below)
 # =============================================================================================

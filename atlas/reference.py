@@ -97,6 +97,55 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_sca
 # reshape_and_cache (paged KV work: insert below)
 # =============================================================================================
 
+# ---- reshape_and_cache: K/V rows → paged cache (BF16 copy, or FP8 with per-row scales) -------
+
+KV_FP8_MAX = E4M3_MAX  # |stored value| ≤ 448: each (token, kv-head) row is scaled to fill E4M3
+
+
+def quantize_kv_fp8(x: torch.Tensor):
+    """K/V rows → FP8 E4M3 with one float32 scale per row (per token and kv head).
+
+    x [..., hd] bf16 | f32 → (q float8_e4m3fn [..., hd], scale float32 [...]).
+    scale = amax(|row|) / 448 (1.0 when amax == 0); q = e4m3_rne_satfinite(x / scale);
+    the row's values are float(q) · scale. Both divisions are elementwise IEEE float32
+    divisions by a tensor (never by a Python scalar: torch turns `t / 448.0` on CUDA into a
+    multiplication by the reciprocal, which the kernel does not do). Inputs must be finite."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)                                              # [...]
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, KV_FP8_MAX), torch.ones_like(amax))
+    q = e4m3_rne_satfinite(x / scale.unsqueeze(-1))
+    return q, scale
+
+
+def dequantize_kv_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """(q float8_e4m3fn [..., hd], scale float32 [...]) → [..., hd] of dtype = float(q) · scale."""
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Write token t's K/V rows to cache slot slot_mapping[t], in place; negative slots skip.
+
+    key, value [T, nkv, hd] bf16 (row stride may exceed nkv·hd); k_cache, v_cache
+    [num_blocks, bs, nkv, hd] bf16 | float8_e4m3fn, contiguous, so slot = block · bs + offset
+    is the row index of the cache viewed as [num_blocks · bs, nkv, hd]. slot_mapping int64 [T],
+    slots distinct, < num_blocks · bs. BF16 cache: exact copy. FP8 cache: quantize_kv_fp8 per
+    (token, kv head) row, scale stored in k_scale / v_scale float32 [num_blocks, bs, nkv].
+    Slots not named keep their contents."""
+    nkv, hd = key.shape[1], key.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]                                                  # [T']
+    for src, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        rows = src[keep]                                                        # [T', nkv, hd]
+        if cache.dtype == torch.float8_e4m3fn:
+            q, s = quantize_kv_fp8(rows)
+            # index_put_ has no float8 kernel: write the bytes
+            cache.view(torch.uint8).view(-1, nkv, hd)[slots] = q.view(torch.uint8)
+            scale.view(-1, nkv)[slots] = s
+        else:
+            cache.view(-1, nkv, hd)[slots] = rows.to(cache.dtype)
+
 
 # =============================================================================================
 # paged_decode (paged KV work: insert below)

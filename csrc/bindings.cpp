@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "quantize_nvfp4.h"
+#include "reshape_and_cache.h"
 // (each kernel family adds its header include here)
 
 namespace {
@@ -53,6 +54,62 @@ void quantize_nvfp4(const torch::Tensor& w,            // [N, K] bf16|f16|f32
 // ---- w4a16_gemv bindings (GEMV family) -----------------------------------------------------
 
 // ---- reshape_and_cache / paged_decode bindings (paged KV family) --------------------------
+void reshape_and_cache(const torch::Tensor& key,                     // [T, nkv, hd] bf16, rows strided
+                       const torch::Tensor& value,                   // [T, nkv, hd] bf16, rows strided
+                       torch::Tensor& k_cache,                       // [num_blocks, bs, nkv, hd] bf16|e4m3 (in/out)
+                       torch::Tensor& v_cache,                       // [num_blocks, bs, nkv, hd] bf16|e4m3 (in/out)
+                       const torch::Tensor& slot_mapping,            // [T] int64
+                       const std::optional<torch::Tensor>& k_scale,  // [num_blocks, bs, nkv] f32 (out, e4m3 only)
+                       const std::optional<torch::Tensor>& v_scale) {
+  CHECK_CUDA_TENSOR(key); CHECK_CUDA_TENSOR(value); CHECK_CUDA_TENSOR(k_cache);
+  CHECK_CUDA_TENSOR(v_cache); CHECK_CUDA_TENSOR(slot_mapping);
+  CHECK_CONTIGUOUS(k_cache); CHECK_CONTIGUOUS(v_cache); CHECK_CONTIGUOUS(slot_mapping);
+  TORCH_CHECK(key.dim() == 3 && key.scalar_type() == torch::kBFloat16 && value.sizes() == key.sizes() &&
+              value.scalar_type() == torch::kBFloat16, "reshape_and_cache: key, value must be bf16 [T, nkv, hd]");
+  const int64_t t = key.size(0), nkv = key.size(1), hd = key.size(2);
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && (nkv == 1 || (key.stride(1) == hd && value.stride(1) == hd)),
+              "reshape_and_cache: key, value must have contiguous [nkv, hd] rows");
+  const bool fp8 = k_cache.scalar_type() == at::ScalarType::Float8_e4m3fn;
+  TORCH_CHECK((fp8 || k_cache.scalar_type() == torch::kBFloat16) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "reshape_and_cache: k_cache, v_cache must both be bf16 or both float8_e4m3fn");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == nkv && k_cache.size(3) == hd && v_cache.sizes() == k_cache.sizes(),
+              "reshape_and_cache: k_cache, v_cache must be [num_blocks, bs, nkv, hd] with key's nkv, hd");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == t,
+              "reshape_and_cache: slot_mapping must be int64 [T]");
+  TORCH_CHECK(k_scale.has_value() == fp8 && v_scale.has_value() == fp8,
+              "reshape_and_cache: k_scale, v_scale are required for an e4m3 cache and must be absent for bf16");
+  const c10::cuda::CUDAGuard guard(key.device());
+  atlas::ReshapeAndCacheArgs a{};
+  a.key = key.data_ptr();
+  a.value = value.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  if (fp8) {
+    for (const auto* s : {&*k_scale, &*v_scale}) {
+      CHECK_CUDA_TENSOR(*s); CHECK_CONTIGUOUS(*s);
+      TORCH_CHECK(s->scalar_type() == torch::kFloat && s->dim() == 3 && s->size(0) == k_cache.size(0) &&
+                  s->size(1) == k_cache.size(1) && s->size(2) == nkv,
+                  "reshape_and_cache: k_scale, v_scale must be float32 [num_blocks, bs, nkv]");
+    }
+    a.k_scale = k_scale->data_ptr<float>();
+    a.v_scale = v_scale->data_ptr<float>();
+  }
+  a.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  a.num_tokens = t;
+  // the row stride of a size-1 dim is meaningless (and only row 0 is read): use the dense one
+  a.key_stride = t > 1 ? key.stride(0) : nkv * hd;
+  a.value_stride = t > 1 ? value.stride(0) : nkv * hd;
+  a.num_slots = k_cache.size(0) * k_cache.size(1);
+  a.num_kv_heads = static_cast<int>(nkv);
+  a.head_dim = static_cast<int>(hd);
+  a.cache_dtype = fp8 ? atlas::DType::kE4M3 : atlas::DType::kBF16;
+  TORCH_CHECK(hd % 8 == 0 && hd <= atlas::kReshapeAndCacheMaxHeadDim && a.key_stride % 8 == 0 && a.value_stride % 8 == 0 &&
+              reinterpret_cast<uintptr_t>(a.key) % 16 == 0 && reinterpret_cast<uintptr_t>(a.value) % 16 == 0 &&
+              reinterpret_cast<uintptr_t>(a.k_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(a.v_cache) % 16 == 0,
+              "reshape_and_cache: hd % 8 == 0, hd <= 1024, row strides % 8 == 0 and 16-byte aligned key, value, caches required");
+  check_cuda(atlas::launch_reshape_and_cache(a, current_stream(key)), "reshape_and_cache");
+}
+
 
 // ---- small fused layer kernels (norm, rope, gating, argmax, embedding, moe routing) ---------
 
@@ -62,6 +119,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "atlas CUDA kernels (see atlas/ops.py for the validated Python API)";
   m.def("quantize_nvfp4", &quantize_nvfp4, "BF16/F16/F32 [N,K] -> NVFP4 packed, block scales, global scale");
   // ---- w4a16_gemv (owned by the GEMV work; insert defs above this line) ----
+  m.def("reshape_and_cache", &reshape_and_cache,
+        "K/V rows [T,nkv,hd] bf16 -> paged cache slots (bf16 copy | e4m3 + per-row f32 scale), in place");
   // ---- reshape_and_cache / paged_decode (owned by the paged-KV work; insert defs above this line) ----
   // ---- small fused kernels for layers (norm, rope, gating, argmax, moe; insert defs above this line) ----
 }
