@@ -1,5 +1,7 @@
 """reshape_and_cache: the reference on CPU (exact slots, skips, strided rows, FP8 round trip,
 validation) and the CUDA kernel against it, bit for bit (cache bytes and scales)."""
+import zlib
+
 import pytest
 import torch
 
@@ -7,13 +9,14 @@ from atlas import ops, reference
 from helpers import poison_, rel_err
 
 CACHE_DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
-HEADS = [(2, 256), (4, 256), (8, 128)]           # (nkv, hd): Qwen3-Next/3.5, Qwen3 dense, Qwen3-MoE
+HEADS = [(2, 256), (4, 256), (8, 128)]  # (nkv, hd): Qwen3-Next / 3.5 MoE, Qwen3.5-27B, Qwen3 dense
 BLOCK_SIZES = [16, 528]                           # vLLM's default; a hybrid GDN model's page
 TOKENS = [1, 7, 4096]
 
 
 def _gen(*params) -> torch.Generator:
-    return torch.Generator().manual_seed(hash(tuple(str(p) for p in params)) % 2**31)
+    """A CPU generator seeded from the case's parameters (crc32: stable across runs)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(params).encode()))
 
 
 def make_rows(t, nkv, hd, *, gen, strided, device="cpu", magnitudes=True):
