@@ -196,6 +196,7 @@ def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
 # ---- argmax / moe_route / embedding (MTP work) ---------------------------------------------
 
 ARGMAX_CHUNK = 4096  # logits per CTA in the split pass; must equal atlas::kArgmaxChunk (csrc/argmax.h)
+MAX_GRID_ROWS = 65535  # argmax rows / embedding ids: one CUDA grid.y index each
 
 
 def argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -218,6 +219,8 @@ def argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(f"{op}: logits must have V > 0, got shape {list(logits.shape)}")
     if logits.shape[0] > 0 and logits.stride(1) != 1:
         raise ValueError(f"{op}: logits must have a contiguous last dim, got strides {logits.stride()}")
+    if logits.shape[0] > MAX_GRID_ROWS:
+        raise ValueError(f"{op}: logits must have R ≤ {MAX_GRID_ROWS} rows, got {logits.shape[0]}")
     if use_kernel(logits):
         return torch.ops.atlas.argmax(logits)
     return reference.argmax(logits)
@@ -308,6 +311,8 @@ def embedding(table: Tensor, ids: Tensor) -> Tensor:
     check_tensor(op, "table", table, dtype=torch.bfloat16, ndim=2, contiguous=True, what="bf16 [V, h]")
     check_tensor(op, "ids", ids, dtypes=(torch.int32, torch.int64), ndim=1, device=table.device,
                  what="int32|int64 [T]")
+    if ids.shape[0] > MAX_GRID_ROWS:
+        raise ValueError(f"{op}: ids must have T ≤ {MAX_GRID_ROWS} entries, got {ids.shape[0]}")
     if not ids.is_cuda and ids.numel() > 0:
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= table.shape[0]:

@@ -11,6 +11,9 @@
 
 #include "quantize_nvfp4.h"
 #include "reshape_and_cache.h"
+#include "argmax.h"
+#include "embedding.h"
+#include "moe_route.h"
 // (each kernel family adds its header include here)
 
 namespace {
@@ -113,6 +116,64 @@ void reshape_and_cache(const torch::Tensor& key,                     // [T, nkv,
 
 // ---- small fused layer kernels (norm, rope, gating, argmax, embedding, moe routing) ---------
 
+// -- argmax / moe_route / embedding (MTP work) --
+void argmax(const torch::Tensor& logits,     // [R, V] bf16|f32, inner dim contiguous
+            torch::Tensor& ids,              // [R] int64 (out)
+            torch::Tensor& prob,             // [R] f32 (out)
+            torch::Tensor& partials) {       // [3, R, ceil(V / kArgmaxChunk)] f32 (scratch)
+  CHECK_CUDA_TENSOR(logits); CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(prob); CHECK_CONTIGUOUS(partials);
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 &&
+              (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kFloat),
+              "argmax: logits must be bf16|f32 [R, V] with a contiguous last dim");
+  const int64_t r = logits.size(0), v = logits.size(1);
+  TORCH_CHECK(ids.numel() == r && ids.scalar_type() == torch::kInt64, "argmax: ids must be int64 [R]");
+  TORCH_CHECK(prob.numel() == r && prob.scalar_type() == torch::kFloat, "argmax: prob must be f32 [R]");
+  TORCH_CHECK(partials.numel() == 3 * r * ((v + atlas::kArgmaxChunk - 1) / atlas::kArgmaxChunk) &&
+              partials.scalar_type() == torch::kFloat, "argmax: partials must be f32 [3, R, ceil(V / chunk)]");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  atlas::ArgmaxArgs a{};
+  a.logits = logits.data_ptr();
+  a.dtype = logits.scalar_type() == torch::kBFloat16 ? atlas::DType::kBF16 : atlas::DType::kF32;
+  a.rows = r; a.vocab = v; a.row_stride = r > 1 ? logits.stride(0) : v;
+  a.partials = partials.data_ptr<float>(); a.ids = ids.data_ptr<int64_t>(); a.prob = prob.data_ptr<float>();
+  check_cuda(atlas::launch_argmax(a, current_stream(logits)), "argmax");
+}
+
+void moe_route(const torch::Tensor& logits,   // [T, E] bf16|f32 contiguous
+               torch::Tensor& ids,            // [T, k] int32 (out)
+               torch::Tensor& weights,        // [T, k] f32 (out)
+               bool renormalize) {
+  CHECK_CUDA_TENSOR(logits); CHECK_CONTIGUOUS(logits); CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(weights);
+  TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kFloat),
+              "moe_route: logits must be bf16|f32 [T, E]");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == logits.size(0) && ids.scalar_type() == torch::kInt32,
+              "moe_route: ids must be int32 [T, k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "moe_route: weights must be f32 [T, k]");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  atlas::MoeRouteArgs a{};
+  a.logits = logits.data_ptr();
+  a.dtype = logits.scalar_type() == torch::kBFloat16 ? atlas::DType::kBF16 : atlas::DType::kF32;
+  a.num_tokens = logits.size(0); a.num_experts = static_cast<int>(logits.size(1)); a.top_k = static_cast<int>(ids.size(1));
+  a.renormalize = renormalize; a.ids = ids.data_ptr<int32_t>(); a.weights = weights.data_ptr<float>();
+  check_cuda(atlas::launch_moe_route(a, current_stream(logits)), "moe_route");
+}
+
+void embedding(const torch::Tensor& table,   // [V, h] bf16 contiguous
+               const torch::Tensor& ids,     // [T] int32|int64 contiguous
+               torch::Tensor& out) {         // [T, h] bf16 (out)
+  CHECK_CUDA_TENSOR(table); CHECK_CUDA_TENSOR(ids); CHECK_CONTIGUOUS(table); CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(out);
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == torch::kBFloat16, "embedding: table must be bf16 [V, h]");
+  TORCH_CHECK(ids.dim() == 1 && (ids.scalar_type() == torch::kInt32 || ids.scalar_type() == torch::kInt64),
+              "embedding: ids must be int32|int64 [T]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == ids.size(0) && out.size(1) == table.size(1) &&
+              out.scalar_type() == torch::kBFloat16, "embedding: out must be bf16 [T, h]");
+  const c10::cuda::CUDAGuard guard(table.device());
+  atlas::EmbeddingArgs a{};
+  a.table = table.data_ptr(); a.ids = ids.data_ptr(); a.ids_int64 = ids.scalar_type() == torch::kInt64;
+  a.out = out.data_ptr(); a.num_tokens = ids.size(0); a.vocab = table.size(0); a.hidden = table.size(1);
+  check_cuda(atlas::launch_embedding(a, current_stream(table)), "embedding");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -122,5 +183,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache,
         "K/V rows [T,nkv,hd] bf16 -> paged cache slots (bf16 copy | e4m3 + per-row f32 scale), in place");
   // ---- reshape_and_cache / paged_decode (owned by the paged-KV work; insert defs above this line) ----
+  m.def("argmax", &argmax, "logits [R,V] bf16|f32 -> ids int64 [R] (lowest index wins), top-1 softmax prob f32 [R]");
+  m.def("moe_route", &moe_route, "router logits [T,E] -> top-k expert ids int32 [T,k], f32 softmax weights [T,k]");
+  m.def("embedding", &embedding, "table [V,h] bf16 rows by device ids [T] -> [T,h] bf16 (bad id -> zero row)");
   // ---- small fused kernels for layers (norm, rope, gating, argmax, moe; insert defs above this line) ----
 }
