@@ -22,7 +22,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -339,12 +339,28 @@ class ModelConfig:
             mtp_num_hidden_layers=mtp,
             attn_output_gate=_check_bool("attn_output_gate",
                                          get("attn_output_gate", traits["attn_output_gate"])),
-            zero_centered_norm=traits["zero_centered_norm"],
+            # not an HF key: a family trait, but stated values win (to_hf() writes it)
+            zero_centered_norm=_check_bool("zero_centered_norm",
+                                           get("zero_centered_norm", traits["zero_centered_norm"])),
             layer_types=None if layer_types is None else tuple(layer_types),
             full_attention_interval=text.get("full_attention_interval"),
             torch_dtype=_parse_dtype(get("torch_dtype", get("dtype", raw.get("torch_dtype", raw.get("dtype"))))),
             raw=raw,
         )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A flat HF-style config dict of these fields (plus `zero_centered_norm`, which HF
+        leaves to the model_type), such that `ModelConfig.from_hf(cfg.to_hf()) == cfg`.
+        Fields that are None are left out; `raw` is not included (it is the original file)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "raw" or value is None:
+                continue
+            if isinstance(value, torch.dtype):
+                value = str(value).replace("torch.", "")
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
 
     @classmethod
     def tiny(cls, **overrides) -> "ModelConfig":

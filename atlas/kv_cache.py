@@ -420,14 +420,27 @@ class PagedKvCache:
         torch.cumsum(qlen_t, 0, out=qsl[1:])
         v["query_start_loc"].copy_(qsl)
         v["seq_lens"].copy_(ctx_t + qlen_t)
+        # block_tables: all block lists concatenated (memcpy per sequence), then scattered into
+        # the row-major [B, W] table through a "column < blocks of the row" mask, padding 0
+        # (see AttentionMetadata). Two ops instead of two per row (CPU, 1 thread: B = 256 x W =
+        # 125: 6 ms -> 0.5 ms; B = 64 x W = 8000: 2.2 ms, the table is 2 MB). A persistent host
+        # table updated by the allocator would make this O(new blocks); not needed yet.
         bt = v["block_tables"]
-        bt.zero_()   # padding (see AttentionMetadata)
-        for row, sid in enumerate(seq_ids):
-            blocks = self._blocks[sid]
-            if len(blocks):
-                bt[row, :len(blocks)] = torch.frombuffer(blocks, dtype=torch.int32)
+        flat = array("i")
+        for sid in seq_ids:
+            flat.extend(self._blocks[sid])
+        nblk = torch.tensor([len(self._blocks[s]) for s in seq_ids], dtype=torch.int64)
+        used = torch.arange(width).unsqueeze(0) < nblk.unsqueeze(1)              # [B, W]
+        bt.masked_fill_(~used, 0)
+        if len(flat):
+            bt.masked_scatter_(used, torch.frombuffer(flat, dtype=torch.int32))
         if t:
-            row_of = torch.repeat_interleave(torch.arange(b), qlen_t)          # [T] in [0, B)
+            # row_of [T] in [0, B): the sequence of each row = number of row boundaries
+            # query_start_loc[1:B] at or before it (zero-row sequences stack boundaries).
+            # torch.repeat_interleave measured 1.5-12 ms here on CPU; this is ~50 us.
+            marks = torch.zeros(t + 1, dtype=torch.int64)
+            marks.index_add_(0, qsl[1:b], torch.ones(b - 1, dtype=torch.int64))
+            row_of = marks[:t].cumsum(0)
             pos = torch.arange(t, dtype=torch.int64) - qsl[row_of] + ctx_t[row_of]
             v["positions"].copy_(pos)
             physical = bt[row_of, pos // bs].to(torch.int64)

@@ -192,6 +192,17 @@ def test_is_moe_layer():
         cfg.is_moe_layer(48)
 
 
+@pytest.mark.parametrize("cfg", [
+    *(ModelConfig.from_hf(FIXTURES / f"{n}.json") for n in sorted(EXPECTED)),
+    ModelConfig.tiny(), ModelConfig.tiny(num_experts=0, model_type="qwen3_5"),
+    ModelConfig.tiny(zero_centered_norm=False, attn_output_gate=False, num_hidden_layers=3,
+                     layer_types=("full_attention", "linear_attention", "full_attention")),
+], ids=lambda c: c.model_type)
+def test_to_hf_round_trip(cfg):
+    back = ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf())))
+    assert back == cfg
+
+
 def test_frozen():
     cfg = ModelConfig.tiny()
     with pytest.raises(Exception):
