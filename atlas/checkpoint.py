@@ -42,8 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from atlas.testing import DIALECTS, FP8_BLOCK, decoder_layer_modules, full_attention_layers, num_mtp_layers, \
-    text_config
+from atlas.testing import DIALECTS, FP8_BLOCK, decoder_layer_modules, mtp_modules, text_config
 
 __all__ = ["CheckpointError", "Checkpoint", "open_checkpoint", "load_state_dict", "detect_dialect",
            "load_mtp_head", "load_attention_layer", "DIALECTS"]
@@ -120,13 +119,20 @@ def detect_dialect(config: dict, keys, *, hf_quant_config: dict | None = None) -
     return "bf16"
 
 
-def _module_dialect(params: dict[str, str]) -> str:
-    """Dialect of one module from the names of its parameters (never from the config)."""
-    if "weight_packed" in params:
+def _module_dialect(params: dict, dtype_of=None) -> str:
+    """Dialect of one module from the names of its parameters (never from the config); a
+    module that lost its distinguishing scale is still recognised by its weight dtype
+    (`dtype_of(param) -> torch.dtype`), so the message can say which tensor is missing."""
+    if "weight_packed" in params or "weight_global_scale" in params:
         return "compressed_tensors_nvfp4"
     if "weight_scale_2" in params:
         return "modelopt_nvfp4"
     if "weight_scale_inv" in params:
+        return "fp8"
+    w = dtype_of("weight") if dtype_of is not None and "weight" in params else None
+    if w == torch.uint8 or (w is None and "weight_scale" in params):
+        return "modelopt_nvfp4"
+    if w == torch.float8_e4m3fn:
         return "fp8"
     return "bf16"
 
@@ -246,7 +252,10 @@ class Checkpoint:
         """atlas.ModelConfig of config.json."""
         if self._model_config is None:
             from atlas.config import ModelConfig
-            self._model_config = ModelConfig.from_hf(self.config)
+            try:
+                self._model_config = ModelConfig.from_hf(self.config)
+            except (ValueError, TypeError) as e:
+                raise CheckpointError(f"checkpoint: {self.path / 'config.json'}: {e}") from e
         return self._model_config
 
     def nbytes(self, prefix: str = "") -> int:
@@ -270,7 +279,7 @@ class Checkpoint:
         checkpoint has no lm_head."""
         if any(k.startswith("lm_head.") for k in self._canon):
             return "lm_head."
-        if self.text_config.get("tie_word_embeddings", False):
+        if self.model_config.tie_word_embeddings:
             return "model.embed_tokens."
         raise CheckpointError(f"checkpoint: no 'lm_head.weight' in {self.path} and tie_word_embeddings is false")
 
@@ -293,28 +302,25 @@ class Checkpoint:
 
     # ---- expectations ---------------------------------------------------------------------
     def expected_modules(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """{canonical module: (kind, logical shape)} for every module atlas knows the shape of:
-        embedding, final norm, lm_head, the MTP branch and every decoder layer's norms, MLP and
-        (full-attention layers) self_attn. GDN `linear_attn` modules are passed through unchecked."""
-        tc = self.text_config
-        h, v = int(tc["hidden_size"]), int(tc["vocab_size"])
+        """{canonical module: (kind, logical shape)} from the ModelConfig, for every module
+        atlas knows the shape of: embedding, final norm, lm_head, the MTP branch and every
+        decoder layer's norms, MLP and (full-attention layers) self_attn. GDN `linear_attn`
+        modules pass through with dialect and scale checks only."""
+        cfg = self.model_config
+        h, v = cfg.hidden_size, cfg.vocab_size
         mods = {"model.embed_tokens": ("embedding", (v, h)), "model.norm": ("norm", (h,))}
-        if not tc.get("tie_word_embeddings", False) or "lm_head.weight" in self._canon:
+        if not cfg.tie_word_embeddings or "lm_head.weight" in self._canon:
             mods["lm_head"] = ("lm_head", (v, h))
-        full = set(full_attention_layers(tc))
+        full = set(cfg.full_attention_layers)
 
         def experts(prefix: str) -> str:
             return "fused" if f"{prefix}mlp.experts.gate_up_proj" in self._canon or \
                 f"{prefix}mlp.experts.down_proj" in self._canon else "per_expert"
 
-        for i in range(int(tc["num_hidden_layers"])):
+        for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            mods.update(decoder_layer_modules(tc, p, i, experts=experts(p), attention=i in full))
-        for j in range(num_mtp_layers(tc)):
-            p = f"mtp.layers.{j}."
-            mods.update({"mtp.fc": ("linear", (h, 2 * h)), "mtp.pre_fc_norm_embedding": ("norm", (h,)),
-                         "mtp.pre_fc_norm_hidden": ("norm", (h,)), "mtp.norm": ("norm", (h,))})
-            mods.update(decoder_layer_modules(tc, p, None, experts=experts(p)))
+            mods.update(decoder_layer_modules(cfg, p, i, experts=experts(p), attention=i in full))
+        mods.update(mtp_modules(cfg, experts=experts("mtp.layers.0.")))
         return mods
 
     # ---- loading --------------------------------------------------------------------------
@@ -333,11 +339,11 @@ class Checkpoint:
         """
         canon_prefix = self._canonical(prefix)
         keys = self.keys(prefix)
-        if not keys:
-            raise CheckpointError(f"checkpoint: no tensors under prefix '{prefix}' in {self.path}")
         groups = _group(keys)
         expected = self.expected_modules()
-        self._check_missing(canon_prefix, groups, expected)
+        self._check_missing(canon_prefix, groups, expected)   # names the first missing tensor
+        if not keys:
+            raise CheckpointError(f"checkpoint: no tensors under prefix '{prefix}' in {self.path}")
         for module, params in groups.items():           # dtype / shape checks from the headers alone
             self._check_meta(module, params, expected.get(module))
         out_canon = self._read(keys, device, progress)
@@ -426,7 +432,7 @@ class Checkpoint:
             return
         if not any(p.startswith("weight") for p in params):
             return                                            # e.g. a bare bias or k_scale: pass through
-        dialect = _module_dialect(params)
+        dialect = _module_dialect(params, lambda p: meta[p][1])
         if dialect not in (self.dialect, "bf16"):
             raise CheckpointError(f"{self.where(first)}: module is {dialect} but the checkpoint is {self.dialect} "
                                   "(mixed quantization dialects are not supported)")
@@ -556,7 +562,9 @@ def weight_from_state_dict(sd: dict[str, Tensor], prefix: str):
     """The weight of one linear module under `prefix` ("lm_head.", "mtp.fc.") as a container:
     float Tensor [N, K] (BF16), NVFP4Weight (either NVFP4 dialect) or FP8BlockWeight (FP8)."""
     params = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
-    dialect = _module_dialect(params)
+    if not params:
+        raise KeyError(f"weight_from_state_dict: no tensors under '{prefix}'")
+    dialect = _module_dialect(params, lambda p: params[p].dtype)
     if dialect == "bf16":
         return params["weight"]
     if dialect == "fp8":
@@ -573,7 +581,9 @@ def dequantized_weight(sd: dict[str, Tensor], prefix: str) -> Tensor:
     """float32 [N, K] of one linear module's weight in any dialect (tests, conversions)."""
     from atlas.testing import dequantize_fp8_block
     params = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
-    dialect = _module_dialect(params)
+    if not params:
+        raise KeyError(f"weight_from_state_dict: no tensors under '{prefix}'")
+    dialect = _module_dialect(params, lambda p: params[p].dtype)
     if dialect == "bf16":
         return params["weight"].float()
     if dialect == "fp8":
@@ -596,7 +606,7 @@ def load_mtp_head(path, *, weight_format: str, kv_dtype=torch.bfloat16, max_seq_
     """
     from atlas.layers.mtp import MtpHead
     ckpt = open_checkpoint(path)
-    if num_mtp_layers(ckpt.text_config) < 1:
+    if ckpt.model_config.mtp_num_hidden_layers < 1:
         raise CheckpointError(f"load_mtp_head: {ckpt.path}/config.json declares no MTP layer "
                               "(mtp_num_hidden_layers / num_nextn_predict_layers)")
     sd = ckpt.load("mtp.", device=device, progress=progress)
@@ -612,7 +622,7 @@ def load_attention_layer(path, layer_idx: int, *, weight_format: str, device="cu
     Raises CheckpointError when layer_idx is not a full-attention layer or a tensor is malformed."""
     from atlas.layers.attention import Qwen3AttentionLayer
     ckpt = open_checkpoint(path)
-    full = full_attention_layers(ckpt.text_config)
+    full = list(ckpt.model_config.full_attention_layers)
     if layer_idx not in full:
         raise CheckpointError(f"load_attention_layer: layer_idx {layer_idx} is not a full-attention layer "
                               f"of {ckpt.path} (those are {full})")

@@ -118,6 +118,8 @@ def tiny_config(*, layout: str = "qwen3_next", moe: bool = True) -> dict:
     grids have partial blocks. layout "vl" wraps it the Qwen3.5/3.6 way (`text_config`)."""
     if layout not in ("qwen3_next", "vl"):
         raise ValueError(f"tiny_config: layout must be 'qwen3_next' or 'vl', got {layout!r}")
+    if layout == "qwen3_next" and not moe:
+        raise ValueError("tiny_config: Qwen3-Next is always MoE; a dense tiny config uses layout='vl'")
     text = {
         "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 4096,
@@ -158,43 +160,21 @@ def text_config(config: dict) -> dict:
 # =============================================================================================
 
 
-def num_mtp_layers(tc: dict) -> int:
-    return int(tc.get("mtp_num_hidden_layers", tc.get("num_nextn_predict_layers", 0)) or 0)
+def model_config(config):
+    """atlas.ModelConfig of an HF config dict (or the ModelConfig itself)."""
+    from atlas.config import ModelConfig
+    return config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
 
 
-def full_attention_layers(tc: dict) -> list[int]:
-    """Indices of the full-attention (gated softmax attention) layers; GDN layers are not atlas's."""
-    n = int(tc["num_hidden_layers"])
-    types = tc.get("layer_types")
-    if types is None:
-        interval = tc.get("full_attention_interval")
-        if interval is None:  # plain Qwen3: every layer is attention
-            return list(range(n))
-        types = _layer_types(n, int(interval))
-    return [i for i, t in enumerate(types) if t == "full_attention"]
-
-
-def layer_is_moe(tc: dict, layer_idx: int | None) -> bool:
-    """layer_idx None = the MTP layer (MoE whenever the model has experts)."""
-    if not tc.get("num_experts"):
-        return False
-    if layer_idx is None:
-        return True
-    if layer_idx in (tc.get("mlp_only_layers") or []):
-        return False
-    step = int(tc.get("decoder_sparse_step", 1) or 1)
-    return (layer_idx + 1) % step == 0
-
-
-def decoder_layer_modules(tc: dict, prefix: str, layer_idx: int | None, *, experts: str = "per_expert",
+def decoder_layer_modules(cfg, prefix: str, layer_idx: int | None, *, experts: str = "per_expert",
                           attention: bool = True) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{module name: (kind, logical shape)} of one decoder layer under `prefix` (e.g.
-    "model.layers.3." or "mtp.layers.0."). kind: "linear" [N, K] weights, "norm" [n] vectors,
-    "router" BF16 [N, K] gates, "fused_experts" stacked BF16 [E, N, K] parameters (the module
-    name is then the parameter's full key)."""
-    h, nq, nkv = int(tc["hidden_size"]), int(tc["num_attention_heads"]), int(tc["num_key_value_heads"])
-    hd = int(tc.get("head_dim") or h // nq)
-    gate = 2 if tc.get("attn_output_gate", True) else 1
+    """{module name: (kind, logical shape)} of one decoder layer of ModelConfig `cfg` under
+    `prefix` (e.g. "model.layers.3." or "mtp.layers.0."; layer_idx None = an MTP layer, MoE
+    whenever the model has experts). kind: "linear" [N, K] projections, "norm" [n] vectors,
+    "router" [N, K] gates, "fused_experts" stacked [E, N, K] parameters (the module name is then
+    the parameter's full key)."""
+    h, nq, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    gate = 2 if cfg.attn_output_gate else 1
     out: dict[str, tuple[str, tuple[int, ...]]] = {
         prefix + "input_layernorm": ("norm", (h,)),
         prefix + "post_attention_layernorm": ("norm", (h,)),
@@ -205,10 +185,9 @@ def decoder_layer_modules(tc: dict, prefix: str, layer_idx: int | None, *, exper
                     a + "v_proj": ("linear", (nkv * hd, h)), a + "o_proj": ("linear", (h, nq * hd)),
                     a + "q_norm": ("norm", (hd,)), a + "k_norm": ("norm", (hd,))})
     m = prefix + "mlp."
-    if layer_is_moe(tc, layer_idx):
-        e, i = int(tc["num_experts"]), int(tc["moe_intermediate_size"])
+    if cfg.is_moe if layer_idx is None else cfg.is_moe_layer(layer_idx):
+        e, i, si = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         out[m + "gate"] = ("router", (e, h))
-        si = int(tc.get("shared_expert_intermediate_size") or 0)
         if si:
             out.update({m + "shared_expert.gate_proj": ("linear", (si, h)),
                         m + "shared_expert.up_proj": ("linear", (si, h)),
@@ -223,38 +202,48 @@ def decoder_layer_modules(tc: dict, prefix: str, layer_idx: int | None, *, exper
                             f"{m}experts.{x}.up_proj": ("linear", (i, h)),
                             f"{m}experts.{x}.down_proj": ("linear", (h, i))})
     else:
-        f = int(tc["intermediate_size"])
+        f = cfg.intermediate_size
         out.update({m + "gate_proj": ("linear", (f, h)), m + "up_proj": ("linear", (f, h)),
                     m + "down_proj": ("linear", (h, f))})
     return out
 
 
-def checkpoint_modules(tc: dict, *, layers="mtp", experts: str = "per_expert") -> dict[str, tuple[str, tuple]]:
-    """All modules of a text checkpoint in canonical (Qwen3-Next) names: "model.embed_tokens",
-    "model.norm", "lm_head" (absent when tied), "mtp.*", and the listed full-attention layers.
-    layers: "mtp" (embedding, head, final norm, MTP branch), "all" (also every full-attention
-    layer) or a list of full-attention layer indices (plus the MTP branch)."""
-    h, v = int(tc["hidden_size"]), int(tc["vocab_size"])
+def mtp_modules(cfg, *, experts: str = "per_expert") -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The MTP branch: fc [h, 2h] (input = [normed embedding ; normed hidden]), its three norms,
+    and `mtp.layers.j.` decoder layers (empty when the config has no MTP layer)."""
+    h = cfg.hidden_size
+    if cfg.mtp_num_hidden_layers < 1:
+        return {}
+    mods = {"mtp.fc": ("linear", (h, 2 * h)), "mtp.pre_fc_norm_embedding": ("norm", (h,)),
+            "mtp.pre_fc_norm_hidden": ("norm", (h,)), "mtp.norm": ("norm", (h,))}
+    for j in range(cfg.mtp_num_hidden_layers):
+        mods.update(decoder_layer_modules(cfg, f"mtp.layers.{j}.", None, experts=experts))
+    return mods
+
+
+def checkpoint_modules(cfg, *, layers="mtp", experts: str = "per_expert") -> dict[str, tuple[str, tuple]]:
+    """Modules `write_checkpoint` writes, in canonical (Qwen3-Next) names: "model.embed_tokens",
+    "model.norm", "lm_head" (absent when tied), the MTP branch and the listed layers.
+    layers: "mtp" (nothing more), "all" (every full-attention layer; GDN layers are not atlas's
+    and are not written) or a list of full-attention layer indices."""
+    h, v = cfg.hidden_size, cfg.vocab_size
     mods: dict[str, tuple[str, tuple]] = {"model.embed_tokens": ("embedding", (v, h)),
                                           "model.norm": ("norm", (h,))}
-    if not tc.get("tie_word_embeddings", False):
+    if not cfg.tie_word_embeddings:
         mods["lm_head"] = ("lm_head", (v, h))
+    full = list(cfg.full_attention_layers)
     if layers == "all":
-        idx = full_attention_layers(tc)
+        idx = full
     elif layers == "mtp":
         idx = []
     else:
         idx = [int(i) for i in layers]
-        full = set(full_attention_layers(tc))
         bad = [i for i in idx if i not in full]
         if bad:
-            raise ValueError(f"layers: {bad} are not full-attention layers (those are {sorted(full)})")
+            raise ValueError(f"write_checkpoint: layers {bad} are not full-attention layers (those are {full})")
     for i in idx:
-        mods.update(decoder_layer_modules(tc, f"model.layers.{i}.", i, experts=experts))
-    for j in range(num_mtp_layers(tc)):
-        mods.update({"mtp.fc": ("linear", (h, 2 * h)), "mtp.pre_fc_norm_embedding": ("norm", (h,)),
-                     "mtp.pre_fc_norm_hidden": ("norm", (h,)), "mtp.norm": ("norm", (h,))})
-        mods.update(decoder_layer_modules(tc, f"mtp.layers.{j}.", None, experts=experts))
+        mods.update(decoder_layer_modules(cfg, f"model.layers.{i}.", i, experts=experts))
+    mods.update(mtp_modules(cfg, experts=experts))
     return mods
 
 
@@ -330,9 +319,9 @@ def _linear_tensors(name: str, w: Tensor, dialect: str) -> dict[str, Tensor]:
 # =============================================================================================
 
 
-def _exclude_patterns(tc: dict, keep_bf16: Sequence[str], quantize_lm_head: bool) -> list[str]:
+def _exclude_patterns(mc, keep_bf16: Sequence[str], quantize_lm_head: bool) -> list[str]:
     pats = [] if quantize_lm_head else ["lm_head"]
-    pats += ["*.mlp.gate", "*.mlp.shared_expert_gate"] if tc.get("num_experts") else []
+    pats += ["*.mlp.gate", "*.mlp.shared_expert_gate"] if mc.is_moe else []
     return pats + list(keep_bf16)
 
 
@@ -402,7 +391,7 @@ def write_checkpoint(directory, config, dialect: str, *, seed: int = 0, layers="
     if dialect not in DIALECTS:
         raise ValueError(f"write_checkpoint: dialect must be one of {DIALECTS}, got {dialect!r}")
     cfg = _config_dict(config)
-    tc = text_config(cfg)
+    mc = model_config(config)
     layout = layout or ("vl" if "text_config" in cfg else "qwen3_next")
     if layout not in ("qwen3_next", "vl"):
         raise ValueError(f"write_checkpoint: layout must be 'qwen3_next' or 'vl', got {layout!r}")
@@ -412,7 +401,7 @@ def write_checkpoint(directory, config, dialect: str, *, seed: int = 0, layers="
     if experts == "fused" and dialect != "bf16":
         raise ValueError(f"write_checkpoint: fused experts exist only in BF16 checkpoints, got dialect {dialect!r}")
 
-    exclude = _exclude_patterns(tc, keep_bf16, quantize_lm_head)
+    exclude = _exclude_patterns(mc, keep_bf16, quantize_lm_head)
     cfg = copy.deepcopy(cfg)
     qc = quantization_config(dialect, exclude)
     if qc is not None:
@@ -426,7 +415,7 @@ def write_checkpoint(directory, config, dialect: str, *, seed: int = 0, layers="
         old.unlink(missing_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
-    mods = checkpoint_modules(tc, layers=layers, experts=experts)
+    mods = checkpoint_modules(mc, layers=layers, experts=experts)
 
     def stored(name: str) -> str:
         if layout == "vl" and name.startswith("model."):
@@ -450,15 +439,26 @@ def write_checkpoint(directory, config, dialect: str, *, seed: int = 0, layers="
 
 
 def _config_dict(config) -> dict:
+    """HF config dict of `config` (a dict, or a ModelConfig: its parsed `raw` dict, else its
+    fields written flat under their HF names)."""
     if isinstance(config, dict):
         return config
-    for attr in ("to_hf", "to_dict"):
-        if callable(getattr(config, attr, None)):
-            return dict(getattr(config, attr)())
     import dataclasses
-    if dataclasses.is_dataclass(config):
-        return {k: v for k, v in dataclasses.asdict(config).items() if not k.startswith("_")}
-    raise TypeError(f"write_checkpoint: config must be a dict or ModelConfig, got {type(config).__name__}")
+    if not dataclasses.is_dataclass(config):
+        raise TypeError(f"write_checkpoint: config must be a dict or ModelConfig, got {type(config).__name__}")
+    if getattr(config, "raw", None):
+        return dict(config.raw)
+    out = {}
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        if f.name == "raw" or v is None:
+            continue
+        if isinstance(v, torch.dtype):
+            f_name, v = "torch_dtype", str(v).replace("torch.", "")
+            out[f_name] = v
+            continue
+        out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
 
 
 def _write_safetensors(out: Path, tensors: Iterator[tuple[str, Tensor]], shard_bytes: int | None,
