@@ -366,8 +366,9 @@ class ModelConfig:
     def tiny(cls, **overrides) -> "ModelConfig":
         """A small Qwen3-Next-style config for CPU tests (every feature on, shapes tiny).
 
-        Defaults: model_type "qwen3_next", hidden 64, 4 q / 2 kv heads, head_dim 32 (not
-        hidden/heads = 16, on purpose), partial_rotary_factor 0.25 → rotary_dim 8, rope_theta
+        Defaults: model_type "qwen3_next", hidden 64, 4 q / 2 kv heads, head_dim 64 (not
+        hidden/heads = 16, on purpose; 64 is the smallest head_dim paged_decode takes),
+        partial_rotary_factor 0.25 → rotary_dim 16, rope_theta
         1e4 (so small positions rotate visibly), zero-centered norms, attention output gate,
         8 experts top-2 of width 32 + a shared expert of width 32, norm_topk_prob, dense
         intermediate_size 128, vocab 512, 2 layers ["linear_attention", "full_attention"],
@@ -379,12 +380,12 @@ class ModelConfig:
         `num_hidden_layers` (or `layer_types=None` to derive it from full_attention_interval).
 
         Example:
-            >>> ModelConfig.tiny().rotary_dim, ModelConfig.tiny(head_dim=64).rotary_dim
-            (8, 16)
+            >>> ModelConfig.tiny().rotary_dim, ModelConfig.tiny(head_dim=128).rotary_dim
+            (16, 32)
         """
         fields = dict(
             model_type="qwen3_next", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, num_hidden_layers=2, vocab_size=512, intermediate_size=128,
+            head_dim=64, num_hidden_layers=2, vocab_size=512, intermediate_size=128,
             rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.25,
             max_position_embeddings=4096, tie_word_embeddings=False, num_experts=8,
             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,

@@ -11,8 +11,9 @@ Layout (DESIGN "Formats", fixed; the reshape_and_cache / paged_decode kernels re
 Planning is separate from running (as FlashInfer's plan/run): `PagedKvCache.plan()` runs once
 per step on the host, allocates the blocks the step's new tokens need and builds an
 `AttentionMetadata` on the device with ONE host→device copy; all layers of the step then reuse
-it. plan() is the only host-side step; it never waits on the GPU (the copy is an async copy
-from pinned memory), and nothing after it in the decode path touches the host.
+it. plan() is the only place in a step that runs on the host and may sync; in fact it never
+waits on the GPU (its copy is async, from pinned memory), and nothing after it in the decode
+path touches the host. Call it outside CUDA-graph capture.
 """
 from __future__ import annotations
 

@@ -214,8 +214,8 @@ def test_frozen():
 
 def test_tiny_defaults():
     cfg = ModelConfig.tiny()
-    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 4, 2, 32)
-    assert cfg.rotary_dim == 8 and cfg.zero_centered_norm and cfg.attn_output_gate
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 4, 2, 64)
+    assert cfg.rotary_dim == 16 and cfg.zero_centered_norm and cfg.attn_output_gate
     assert cfg.is_moe and (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 32)
     assert cfg.vocab_size == 512 and cfg.full_attention_layers == (1,)
 
@@ -225,10 +225,10 @@ def test_tiny_overrides():
     assert not dense.is_moe and dense.intermediate_size == 128
     plain = ModelConfig.tiny(model_type="qwen3", zero_centered_norm=False, attn_output_gate=False,
                              partial_rotary_factor=1.0)
-    assert plain.rotary_dim == 32 and not plain.zero_centered_norm
+    assert plain.rotary_dim == 64 and not plain.zero_centered_norm
     deep = ModelConfig.tiny(num_hidden_layers=8)
     assert deep.full_attention_layers == (1, 3, 5, 7)
-    assert ModelConfig.tiny(head_dim=64).rotary_dim == 16
+    assert ModelConfig.tiny(head_dim=128).rotary_dim == 32
     with pytest.raises(ValueError, match="bogus"):
         ModelConfig.tiny(bogus=1)
 

@@ -9,7 +9,7 @@ import torch
 from atlas import AttentionMetadata, ModelConfig, PagedKvCache
 from atlas.kv_cache import KvCacheExhausted
 
-CFG = ModelConfig.tiny()            # nkv 2, hd 32
+CFG = ModelConfig.tiny()            # nkv 2, hd 64
 BLOCK_SIZES = [1, 4, 16, 528]       # 528: the hybrid-model page size vLLM picks (not a power of 2)
 DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
 
@@ -64,7 +64,7 @@ def test_pool_layout(dtype, block_size):
     for i in range(2):
         k, v, ks, vs = cache.layer(i)
         for t in (k, v):
-            assert t.shape == (3, block_size, 2, 32) and t.dtype == dtype and t.is_contiguous()
+            assert t.shape == (3, block_size, 2, 64) and t.dtype == dtype and t.is_contiguous()
             assert torch.isnan(t.float()).all()                   # unwritten slots read as NaN
         if dtype == torch.float8_e4m3fn:
             assert (k.view(torch.uint8) == 0x7F).all()
@@ -74,7 +74,7 @@ def test_pool_layout(dtype, block_size):
         else:
             assert ks is None and vs is None
     assert cache.k_caches[0].data_ptr() != cache.v_caches[0].data_ptr() != cache.k_caches[1].data_ptr()
-    per_token = 2 * 2 * (32 * (1 if dtype == torch.float8_e4m3fn else 2) + (4 if dtype == torch.float8_e4m3fn else 0))
+    per_token = 2 * 2 * (64 * (1 if dtype == torch.float8_e4m3fn else 2) + (4 if dtype == torch.float8_e4m3fn else 0))
     assert cache.nbytes == 2 * 3 * block_size * per_token
 
 
@@ -261,6 +261,59 @@ def test_truncate_then_plan_reuses_slots():
     assert again.positions.tolist() == [4, 5, 6]
     assert again.slot_mapping.tolist() == [8, 9, 10]
     check_against_reference(cache, again)
+
+
+# ---- with the KV writer: plan() slots and block tables address the same cache rows ----------
+
+
+def _write_and_gather(device, dtype, block_size):
+    """Write random K/V rows through ops.reshape_and_cache at plan() slots over a few steps
+    (with a rejection), then gather every sequence back through block_tables / seq_lens."""
+    from atlas import ops
+    gen = torch.Generator().manual_seed(block_size * 7 + (dtype == torch.bfloat16))
+    cache = make(num_blocks=24, block_size=block_size, dtype=dtype, device=device)
+    k_cache, v_cache, k_scale, v_scale = cache.layer(0)
+    written = {}   # seq -> list of K rows [nkv, hd] in position order
+    for step, reject in (({"a": 9, "b": 2}, None), ({"b": 5, "a": 1}, ("b", 4)),
+                         ({"b": 1, "c": 3, "a": 1}, None)):
+        meta = cache.plan(step)
+        key = (torch.randn(meta.num_tokens, 2, 64, generator=gen) * 30).to(torch.bfloat16)
+        ops.reshape_and_cache(key.to(device), key.to(device), k_cache, v_cache, meta.slot_mapping,
+                              k_scale, v_scale)
+        for sid, lo, n in zip(meta.seq_ids, meta.query_start_loc.tolist(), meta.query_lens):
+            written.setdefault(sid, []).extend(key[lo:lo + n])
+        if reject:
+            cache.truncate(*reject)
+            del written[reject[0]][reject[1]:]
+    meta = cache.plan({s: 0 for s in written})
+    bt, lens = meta.block_tables.cpu(), meta.seq_lens.tolist()
+    for row, sid in enumerate(meta.seq_ids):
+        pos = torch.arange(lens[row])
+        blocks = bt[row, pos // block_size].long()
+        got = k_cache.cpu()[blocks, pos % block_size].float()
+        want = torch.stack(written[sid]).float()
+        if k_scale is None:
+            assert torch.equal(got, want), sid          # bf16 rows are copied bit for bit
+        else:
+            scale = k_scale.cpu()[blocks, pos % block_size].unsqueeze(-1)
+            got = got * scale
+            # e4m3 rounding: relative 2^-4 (half of a 3-bit ulp) for normals, absolute
+            # 2^-10 · scale (half the subnormal step 2^-9) near 0; 1.01 covers f32 rounding
+            bound = 1.01 * torch.maximum(want.abs() * 2 ** -4, scale * 2 ** -10)
+            assert ((got - want).abs() <= bound).all(), sid
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_plan_addresses_what_reshape_and_cache_wrote(dtype, block_size):
+    _write_and_gather("cpu", dtype, block_size)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 528])
+def test_cuda_plan_addresses_what_reshape_and_cache_wrote(dtype, block_size):
+    _write_and_gather("cuda", dtype, block_size)
 
 
 # ---- AttentionMetadata -----------------------------------------------------------------------
