@@ -23,6 +23,7 @@ _LAZY = {
     "ModelConfig": "atlas.config",
     "PagedKvCache": "atlas.kv_cache",
     "AttentionMetadata": "atlas.kv_cache",
+    "KvCacheExhausted": "atlas.kv_cache",
     "Qwen3AttentionLayer": "atlas.layers.attention",
     "MtpHead": "atlas.layers.mtp",
     "testing": "atlas.testing",
