@@ -8,6 +8,7 @@ shape, device, layout, index range) naming the argument. Decode-path ops never s
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -187,6 +188,189 @@ def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
 # =============================================================================================
 # paged_decode (paged KV work: insert below)
 # =============================================================================================
+
+# ---- paged_decode: decode / verify attention over the paged KV cache ------------------------
+
+PAGED_DECODE_HEAD_DIMS = (64, 128, 256)   # kernel instances (csrc/paged_decode.cu); CPU: the same
+PAGED_DECODE_MAX_Q_LEN = 8                # verify groups of up to 8 rows (kPagedDecodeMaxQLen)
+# Split-K rule, mirrored from csrc/paged_decode.h (paged_decode_split / paged_decode_max_splits):
+# only the workspace size depends on it here; the binding checks the size against the C++ rule.
+_PAGED_DECODE_MIN_SPLIT_LEN = 256
+_PAGED_DECODE_MAX_SPLITS = 128
+
+
+def paged_decode_max_splits(capacity: int) -> int:
+    """Split slots the workspace needs for sequences of ≤ capacity = max_blocks · bs tokens."""
+    return max(1, min(_PAGED_DECODE_MAX_SPLITS, -(-capacity // _PAGED_DECODE_MIN_SPLIT_LEN)))
+
+
+def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                 seq_lens: Tensor, softmax_scale: float, k_scale: Optional[Tensor] = None,
+                 v_scale: Optional[Tensor] = None, *, return_lse: bool = False,
+                 out: Optional[Tensor] = None):
+    """Causal GQA attention of each sequence's q_len newest tokens over its paged KV cache.
+
+    Query token j ∈ [0, q_len) of sequence b sits at position seq_lens[b] − q_len + j and
+    attends to cache positions 0..that position (causal among the new tokens, whose K/V
+    reshape_and_cache already wrote); query head h reads kv head h // (nq / nkv). Position p
+    of sequence b is k_cache[block_tables[b, p // bs], p % bs]. FP8 caches hold
+    float(k8) · k_scale per (token, kv head) row. CUDA: one tensor-core split-K kernel (+ a
+    small combine kernel when max_blocks · bs > 256), no host sync, CUDA-graph capturable;
+    a sequence's output does not depend on the rest of the batch, bit for bit.
+
+    Args:
+        query: [B, nq, hd] (one token per sequence) or [B, q_len, nq, hd] (q_len ≤ 8, a
+            speculative verify group) bf16; the (nq, hd) dims contiguous, B and q_len may be
+            strided (e.g. a view into a fused qkv buffer). hd ∈ {64, 128, 256}.
+        k_cache: [num_blocks, bs, nkv, hd] bf16 | float8_e4m3fn, contiguous, any bs; nq % nkv == 0.
+        v_cache: like k_cache (same shape and dtype).
+        block_tables: int32 [B, max_blocks], contiguous: physical block of each logical block.
+        seq_lens: int32 [B]: tokens in the cache for each sequence, the q_len new ones included;
+            0 gives out = 0, lse = −inf. A query row whose position is < 0 (seq_len < q_len)
+            attends nothing likewise.
+        softmax_scale: Python float > 0 (1/sqrt(hd) for Qwen3).
+        k_scale, v_scale: float32 [num_blocks, bs, nkv], contiguous: required for an FP8 cache,
+            None for a BF16 cache.
+        return_lse: also return lse.
+        out: optional bf16 output, contiguous, shaped like query; written and returned.
+    Returns:
+        out bf16 [B, (q_len,) nq, hd] shaped like query; with return_lse also lse float32
+        [B, (q_len,) nq], the natural-log logsumexp of the scaled scores.
+    Raises:
+        TypeError: a wrong dtype, or softmax_scale not a Python number. ValueError: wrong
+            shapes, strides, devices, head_dim, q_len, nq % nkv, a missing or unexpected
+            scale, or (CPU tensors only: checking CUDA ones would sync) seq_lens outside
+            [0, max_blocks · bs] or a block id used by a sequence outside [0, num_blocks).
+            On CUDA the kernel clamps seq_lens to [0, max_blocks · bs] and never reads a block
+            id outside [0, num_blocks): such a position reads as K = V = 0 (the result is then
+            meaningless, but memory-safe).
+    Example:
+        >>> q = torch.randn(2, 8, 64).bfloat16()
+        >>> kc = torch.randn(4, 16, 2, 64).bfloat16(); vc = torch.randn(4, 16, 2, 64).bfloat16()
+        >>> bt = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32)
+        >>> out = paged_decode(q, kc, vc, bt, torch.tensor([5, 20], dtype=torch.int32), 0.125)
+        >>> out.shape
+        torch.Size([2, 8, 64])
+    """
+    op = "paged_decode"
+    check_tensor(op, "query", query, dtype=torch.bfloat16, ndim=(3, 4),
+                 what="[B, nq, hd] or [B, q_len, nq, hd]")
+    q4 = query if query.dim() == 4 else query.unsqueeze(1)
+    b, q_len, nq, hd = q4.shape
+    if not 1 <= q_len <= PAGED_DECODE_MAX_Q_LEN:
+        raise ValueError(f"{op}: query must have 1 ≤ q_len ≤ {PAGED_DECODE_MAX_Q_LEN}, got shape "
+                         f"{list(query.shape)}")
+    if hd not in PAGED_DECODE_HEAD_DIMS:
+        raise ValueError(f"{op}: query must have head_dim in {PAGED_DECODE_HEAD_DIMS}, got shape "
+                         f"{list(query.shape)}")
+    if b < 1 or b > 65535 or nq < 1:
+        raise ValueError(f"{op}: query must have 1 ≤ B ≤ 65535 and nq ≥ 1, got shape {list(query.shape)}")
+    if q4.stride(3) != 1 or (nq > 1 and q4.stride(2) != hd):
+        raise ValueError(f"{op}: query must have contiguous [nq, hd] rows (strides (..., {hd}, 1)), "
+                         f"got strides {query.stride()}")
+    dev = query.device
+    check_tensor(op, "k_cache", k_cache, dtypes=(torch.bfloat16, torch.float8_e4m3fn), ndim=4,
+                 device=dev, what="[num_blocks, bs, nkv, hd]")
+    num_blocks, bs, nkv = k_cache.shape[:3]
+    check_tensor(op, "k_cache", k_cache, shape=(None, None, None, hd), contiguous=True,
+                 what=f"[num_blocks, bs, nkv, hd={hd}] (hd of query)")
+    if nkv < 1 or nq % nkv != 0:
+        raise ValueError(f"{op}: query heads nq = {nq} must be a multiple of the cache's kv heads "
+                         f"nkv = {nkv} (k_cache shape {list(k_cache.shape)})")
+    check_tensor(op, "v_cache", v_cache, dtype=k_cache.dtype, shape=tuple(k_cache.shape), device=dev,
+                 contiguous=True, what="like k_cache")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (cache.storage_offset() * cache.element_size()) % 16 != 0:
+            raise ValueError(f"{op}: {name} must start 16-byte aligned, got storage offset "
+                             f"{cache.storage_offset()}")
+    check_tensor(op, "block_tables", block_tables, dtype=torch.int32, ndim=2, device=dev,
+                 what="int32 [B, max_blocks]")
+    check_tensor(op, "block_tables", block_tables, shape=(b, None), contiguous=True,
+                 what=f"int32 [B={b}, max_blocks], contiguous")
+    max_blocks = block_tables.shape[1]
+    if max_blocks < 1 or max_blocks * bs >= 2 ** 31:
+        raise ValueError(f"{op}: block_tables must have 1 ≤ max_blocks and max_blocks · bs < 2^31, "
+                         f"got shape {list(block_tables.shape)} with bs = {bs}")
+    check_tensor(op, "seq_lens", seq_lens, dtype=torch.int32, shape=(b,), device=dev, contiguous=True,
+                 what=f"int32 [B={b}]")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"{op}: softmax_scale must be a Python float, got {type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"{op}: softmax_scale must be finite and > 0, got {softmax_scale}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not fp8:
+            if scale is not None:
+                raise ValueError(f"{op}: {name} must be None for a bf16 cache, got a tensor")
+            continue
+        if scale is None:
+            raise ValueError(f"{op}: {name} float32 [num_blocks, bs, nkv] is required for a "
+                             f"float8_e4m3fn cache, got None")
+        check_tensor(op, name, scale, dtype=torch.float32, shape=(num_blocks, bs, nkv), device=dev,
+                     contiguous=True, what="[num_blocks, bs, nkv]")
+    if out is not None:
+        check_tensor(op, "out", out, dtype=torch.bfloat16, shape=tuple(query.shape), device=dev,
+                     contiguous=True, what="bf16 shaped like query, contiguous")
+    if not seq_lens.is_cuda and not block_tables.is_cuda:   # CUDA tensors would need a sync
+        _check_paged_decode_indices(op, block_tables, seq_lens, bs, num_blocks)
+
+    if use_kernel(query, k_cache, v_cache, block_tables, seq_lens):
+        if out is None:
+            out = torch.empty(query.shape, dtype=torch.bfloat16, device=dev)
+        lse = torch.ops.atlas.paged_decode(q4, k_cache, v_cache, block_tables, seq_lens,
+                                           float(softmax_scale), k_scale, v_scale, out.view(b, q_len, nq, hd))
+        lse = lse if query.dim() == 4 else lse.view(b, nq)
+    else:
+        ref_out, lse = reference.paged_decode(query, k_cache, v_cache, block_tables, seq_lens,
+                                              float(softmax_scale), k_scale, v_scale)
+        if out is None:
+            out = ref_out
+        else:
+            out.copy_(ref_out)
+    return (out, lse) if return_lse else out
+
+
+def _check_paged_decode_indices(op: str, block_tables: Tensor, seq_lens: Tensor, bs: int,
+                                num_blocks: int) -> None:
+    """CPU inputs: seq_lens within [0, max_blocks · bs], used block ids within [0, num_blocks)."""
+    max_blocks = block_tables.shape[1]
+    if seq_lens.numel() == 0:
+        return
+    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    if lo < 0 or hi > max_blocks * bs:
+        raise ValueError(f"{op}: seq_lens must lie in [0, max_blocks·bs] = [0, {max_blocks * bs}], "
+                         f"got values in [{lo}, {hi}]")
+    used = torch.arange(max_blocks)[None, :] < ((seq_lens.long() + bs - 1) // bs)[:, None]  # [B, max_blocks]
+    ids = block_tables[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"{op}: block_tables must hold block ids in [0, num_blocks = {num_blocks}) "
+                         f"for the blocks seq_lens uses, got ids in [{int(ids.min())}, {int(ids.max())}]")
+
+
+@torch.library.custom_op("atlas::paged_decode", mutates_args=("out",))
+def _paged_decode_kernel(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                         seq_lens: Tensor, softmax_scale: float, k_scale: Optional[Tensor],
+                         v_scale: Optional[Tensor], out: Tensor) -> Tensor:
+    """query [B, q_len, nq, hd] → out [B, q_len, nq, hd] (written); returns lse [B, q_len, nq]."""
+    b, q_len, nq, hd = query.shape
+    nkv = k_cache.shape[2]
+    rows = (nq // nkv) * q_len
+    splits = paged_decode_max_splits(block_tables.shape[1] * k_cache.shape[1])
+    lse = torch.empty(b, q_len, nq, dtype=torch.float32, device=query.device)
+    if splits > 1:   # graph-safe: allocated from the caching allocator, never read uninitialized
+        partial_o = torch.empty(b, nkv, splits, rows, hd, dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty(b, nkv, splits, rows, dtype=torch.float32, device=query.device)
+    else:
+        partial_o = partial_lse = lse.new_empty(0)
+    _C.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale,
+                    out, lse, partial_o, partial_lse, splits)
+    return lse
+
+
+@_paged_decode_kernel.register_fake
+def _(query, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale, out):
+    b, q_len, nq, _ = query.shape
+    return query.new_empty(b, q_len, nq, dtype=torch.float32)
 
 
 # =============================================================================================

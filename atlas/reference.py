@@ -151,6 +151,66 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 # paged_decode (paged KV work: insert below)
 # =============================================================================================
 
+# ---- paged_decode: decode / verify attention over the paged KV cache ------------------------
+
+
+def paged_kv_gather(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor,
+                    seq_len: int) -> torch.Tensor:
+    """One sequence's first seq_len cache rows, float32 [seq_len, nkv, hd].
+
+    Position p lives at cache[block_table[p // bs], p % bs]; an FP8 row is float(q) · scale
+    with its (token, kv head) scale. cache [num_blocks, bs, nkv, hd] bf16 | float8_e4m3fn,
+    scale float32 [num_blocks, bs, nkv] or None, block_table int32 [max_blocks]."""
+    bs = cache.shape[1]
+    pos = torch.arange(seq_len, device=cache.device)
+    blocks, offs = block_table.to(cache.device)[pos // bs].long(), pos % bs
+    if cache.dtype == torch.float8_e4m3fn:  # advanced indexing has no float8 kernel: gather bytes
+        rows = cache.view(torch.uint8)[blocks, offs].view(torch.float8_e4m3fn)
+        return dequantize_kv_fp8(rows, scale[blocks, offs])
+    return cache[blocks, offs].float()
+
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+    """Causal GQA attention of q_len new tokens per sequence over its paged KV, float32 math.
+
+    query [B, nq, hd] (q_len 1) or [B, q_len, nq, hd] bf16; k_cache, v_cache
+    [num_blocks, bs, nkv, hd] bf16 | float8_e4m3fn (FP8 scales k_scale, v_scale float32
+    [num_blocks, bs, nkv]); block_tables int32 [B, max_blocks]; seq_lens int32 [B], tokens in
+    the cache including the q_len new ones. Query token j of sequence b sits at position
+    seq_lens[b] − q_len + j and attends to positions 0..that position; query head h reads kv
+    head h // (nq / nkv). Returns (out bf16 shaped like query, lse float32 [B, (q_len,) nq]):
+    out = softmax(s) · V and lse = logsumexp(s) (natural log) of s = softmax_scale · q·k over
+    the attended positions; a row that attends nothing (seq_len 0) gets out 0, lse −inf."""
+    squeeze = query.dim() == 3
+    q = query.unsqueeze(1) if squeeze else query                          # [B, T, nq, hd]
+    b_count, t, nq, hd = q.shape
+    nkv = k_cache.shape[2]
+    group = nq // nkv
+    out = torch.zeros(b_count, t, nq, hd, dtype=torch.float32, device=query.device)
+    lse = torch.full((b_count, t, nq), float("-inf"), dtype=torch.float32, device=query.device)
+    for b in range(b_count):
+        seq_len = int(seq_lens[b])
+        if seq_len <= 0:
+            continue
+        k = paged_kv_gather(k_cache, k_scale, block_tables[b], seq_len)  # [L, nkv, hd]
+        v = paged_kv_gather(v_cache, v_scale, block_tables[b], seq_len)
+        k = k.repeat_interleave(group, dim=1)                             # [L, nq, hd]
+        v = v.repeat_interleave(group, dim=1)
+        s = torch.einsum("tnd,lnd->ntl", q[b].float(), k) * softmax_scale  # [nq, T, L]
+        last = seq_len - t + torch.arange(t, device=query.device)        # [T] newest visible pos
+        visible = torch.arange(seq_len, device=query.device)[None, :] <= last[:, None]  # [T, L]
+        s = s.masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(s, dim=-1)                              # [nq, T]; -inf if none
+        p = torch.exp(s - row_lse.nan_to_num(neginf=0.0).unsqueeze(-1))  # masked → exp(-inf) = 0
+        out[b] = torch.einsum("ntl,lnd->tnd", p, v)
+        lse[b] = row_lse.transpose(0, 1)
+    out = out.to(torch.bfloat16)
+    if squeeze:
+        return out.squeeze(1), lse.squeeze(1)
+    return out, lse
+
 
 # =============================================================================================
 # small layer ops: rms_norm, rope, sigmoid gate, argmax, moe routing (layer work: insert below)

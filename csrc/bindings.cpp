@@ -11,6 +11,7 @@
 
 #include "quantize_nvfp4.h"
 #include "reshape_and_cache.h"
+#include "paged_decode.h"
 #include "argmax.h"
 #include "embedding.h"
 #include "moe_route.h"
@@ -113,6 +114,94 @@ void reshape_and_cache(const torch::Tensor& key,                     // [T, nkv,
   check_cuda(atlas::launch_reshape_and_cache(a, current_stream(key)), "reshape_and_cache");
 }
 
+void paged_decode(const torch::Tensor& query,                       // [B, q_len, nq, hd] bf16, (nq, hd) contiguous
+                  const torch::Tensor& k_cache,                     // [num_blocks, bs, nkv, hd] bf16|e4m3
+                  const torch::Tensor& v_cache,                     // like k_cache
+                  const torch::Tensor& block_tables,                // [B, max_blocks] int32
+                  const torch::Tensor& seq_lens,                    // [B] int32
+                  double softmax_scale,
+                  const std::optional<torch::Tensor>& k_scale,      // [num_blocks, bs, nkv] f32 (e4m3 only)
+                  const std::optional<torch::Tensor>& v_scale,      // [num_blocks, bs, nkv] f32 (e4m3 only)
+                  torch::Tensor& out,                               // [B, q_len, nq, hd] bf16 (out)
+                  torch::Tensor& lse,                               // [B, q_len, nq] f32 (out)
+                  torch::Tensor& partial_o,                         // [B, nkv, splits, group·q_len, hd] f32 (scratch)
+                  torch::Tensor& partial_lse,                       // [B, nkv, splits, group·q_len] f32 (scratch)
+                  int64_t max_splits) {
+  CHECK_CUDA_TENSOR(query); CHECK_CUDA_TENSOR(k_cache); CHECK_CUDA_TENSOR(v_cache);
+  CHECK_CUDA_TENSOR(block_tables); CHECK_CUDA_TENSOR(seq_lens); CHECK_CUDA_TENSOR(out); CHECK_CUDA_TENSOR(lse);
+  CHECK_CONTIGUOUS(k_cache); CHECK_CONTIGUOUS(v_cache); CHECK_CONTIGUOUS(block_tables); CHECK_CONTIGUOUS(seq_lens);
+  CHECK_CONTIGUOUS(out); CHECK_CONTIGUOUS(lse);
+  TORCH_CHECK(query.dim() == 4 && query.scalar_type() == torch::kBFloat16,
+              "paged_decode: query must be bf16 [B, q_len, nq, hd]");
+  const int64_t b = query.size(0), q_len = query.size(1), nq = query.size(2), hd = query.size(3);
+  TORCH_CHECK(query.stride(3) == 1 && (nq == 1 || query.stride(2) == hd),
+              "paged_decode: query must have contiguous [nq, hd] rows");
+  const bool fp8 = k_cache.scalar_type() == at::ScalarType::Float8_e4m3fn;
+  TORCH_CHECK((k_cache.scalar_type() == torch::kBFloat16 || fp8) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode: k_cache, v_cache must both be bf16 or both float8_e4m3fn");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == hd && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode: k_cache, v_cache must be [num_blocks, bs, nkv, hd] with query's hd");
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), nkv = k_cache.size(2);
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.dim() == 2 && block_tables.size(0) == b,
+              "paged_decode: block_tables must be int32 [B, max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.dim() == 1 && seq_lens.size(0) == b,
+              "paged_decode: seq_lens must be int32 [B]");
+  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.sizes() == query.sizes(),
+              "paged_decode: out must be bf16 [B, q_len, nq, hd]");
+  TORCH_CHECK(lse.scalar_type() == torch::kFloat && lse.dim() == 3 && lse.size(0) == b && lse.size(1) == q_len &&
+              lse.size(2) == nq, "paged_decode: lse must be float32 [B, q_len, nq]");
+  TORCH_CHECK(k_scale.has_value() == fp8 && v_scale.has_value() == fp8,
+              "paged_decode: k_scale, v_scale are required for an e4m3 cache and must be absent for bf16");
+  const int64_t max_blocks = block_tables.size(1);
+  TORCH_CHECK(max_blocks >= 1 && max_blocks * bs < (int64_t{1} << 31), "paged_decode: need 1 <= max_blocks, max_blocks * bs < 2^31");
+  TORCH_CHECK(max_splits == atlas::paged_decode_max_splits(max_blocks * bs),
+              "paged_decode: max_splits must be paged_decode_max_splits(max_blocks * bs) = ",
+              atlas::paged_decode_max_splits(max_blocks * bs), ", got ", max_splits);
+  const c10::cuda::CUDAGuard guard(query.device());
+  atlas::PagedDecodeArgs a{};
+  a.query = query.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  if (fp8) {
+    for (const torch::Tensor* s : {&*k_scale, &*v_scale}) {
+      CHECK_CUDA_TENSOR(*s); CHECK_CONTIGUOUS(*s);
+      TORCH_CHECK(s->scalar_type() == torch::kFloat && s->dim() == 3 && s->size(0) == num_blocks &&
+                  s->size(1) == bs && s->size(2) == nkv,
+                  "paged_decode: k_scale, v_scale must be float32 [num_blocks, bs, nkv]");
+    }
+    a.k_scale = k_scale->data_ptr<float>();
+    a.v_scale = v_scale->data_ptr<float>();
+  }
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.out = out.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  if (max_splits > 1) {
+    CHECK_CUDA_TENSOR(partial_o); CHECK_CONTIGUOUS(partial_o); CHECK_CUDA_TENSOR(partial_lse); CHECK_CONTIGUOUS(partial_lse);
+    const int64_t rows = (nkv > 0 ? nq / nkv : 0) * q_len;
+    TORCH_CHECK(partial_o.scalar_type() == torch::kFloat && partial_o.numel() >= b * nkv * max_splits * rows * hd &&
+                partial_lse.scalar_type() == torch::kFloat && partial_lse.numel() >= b * nkv * max_splits * rows,
+                "paged_decode: partial_o, partial_lse must be float32 [B, nkv, max_splits, group*q_len(, hd)]");
+    a.partial_o = partial_o.data_ptr<float>();
+    a.partial_lse = partial_lse.data_ptr<float>();
+  }
+  // the stride of a size-1 dim is meaningless (only index 0 is read)
+  a.q_stride_b = b > 1 ? query.stride(0) : 0;
+  a.q_stride_t = q_len > 1 ? query.stride(1) : 0;
+  a.batch = static_cast<int>(b);
+  a.q_len = static_cast<int>(q_len);
+  a.num_q_heads = static_cast<int>(nq);
+  a.num_kv_heads = static_cast<int>(nkv);
+  a.head_dim = static_cast<int>(hd);
+  a.block_size = static_cast<int>(bs);
+  a.num_blocks = static_cast<int>(std::min<int64_t>(num_blocks, INT32_MAX));
+  a.max_blocks = static_cast<int>(max_blocks);
+  a.max_splits = static_cast<int>(max_splits);
+  a.softmax_scale = static_cast<float>(softmax_scale);
+  a.kv_dtype = fp8 ? atlas::DType::kE4M3 : atlas::DType::kBF16;
+  check_cuda(atlas::launch_paged_decode(a, current_stream(query)), "paged_decode");
+}
+
 
 // ---- small fused layer kernels (norm, rope, gating, argmax, embedding, moe routing) ---------
 
@@ -182,6 +271,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // ---- w4a16_gemv (owned by the GEMV work; insert defs above this line) ----
   m.def("reshape_and_cache", &reshape_and_cache,
         "K/V rows [T,nkv,hd] bf16 -> paged cache slots (bf16 copy | e4m3 + per-row f32 scale), in place");
+  m.def("paged_decode", &paged_decode,
+        "causal GQA attention of q_len <= 8 new tokens over the paged KV cache (bf16 | e4m3 + per-row scale), split-K");
   // ---- reshape_and_cache / paged_decode (owned by the paged-KV work; insert defs above this line) ----
   m.def("argmax", &argmax, "logits [R,V] bf16|f32 -> ids int64 [R] (lowest index wins), top-1 softmax prob f32 [R]");
   m.def("moe_route", &moe_route, "router logits [T,E] -> top-k expert ids int32 [T,k], f32 softmax weights [T,k]");

@@ -1,0 +1,631 @@
+// paged_decode: decode / speculative-verify attention over the paged KV cache, checked against
+// atlas/reference.py::paged_decode (float32 math; here bf16 tensor-core products, fp32 softmax).
+//
+//   for sequence b, query token j ∈ [0, q_len), query head h (kv head kvh = h / group,
+//   group = nq / nkv), visible positions p ∈ [0, L − q_len + j], L = seq_lens[b]:
+//     s_p = softmax_scale · q[b, j, h] · K[p, kvh]        (FP8: K = float(k8) · k_scale[p, kvh])
+//     out[b, j, h] = Σ_p softmax(s)_p · V[p, kvh],   lse[b, j, h] = ln Σ_p exp(s_p)
+//   K[p] lives at k_cache[block_tables[b, p / bs], p % bs] (any bs: 16, 528, ...).
+//
+// Decomposition (flash-decoding with the GQA group packed into MMA rows):
+//   Grid (max_splits · row_groups, nkv, B); one CTA of 4 warps per (split, kv head, sequence).
+//   The CTA's rows are the group·q_len (query token j, head g) pairs that read kv head kvh,
+//   row r = j·group + g, at most 64 per CTA (more — group 16 × q_len 8 — go to row_groups
+//   CTAs, each re-reading the split's KV); M_TILES = ceil(rows / 16) MMA row tiles. So every KV
+//   row a CTA reads serves all of its query rows: KV is read once per kv head, not per q head.
+//   Split s of a sequence covers positions [s·chunk, min((s+1)·chunk, L)) (paged_decode_split:
+//   a function of L alone → batch-invariant bits); CTAs past the sequence's split count exit.
+//   The grid is sized from host-known bounds only (max_blocks · bs), so it is graph-capturable.
+//
+//   Per 32-position KV tile (kTileN), in shared memory as [32][hd] rows with a 16-byte-chunk
+//   XOR swizzle (conflict-free ldmatrix), filled by cp.async 16 B (zero-filled past the split
+//   end and for block ids outside [0, num_blocks)), kStages-deep pipeline:
+//     score    warp w: S[rows, 8 positions 8w..8w+7] = Q · K^T, mma.m16n8k16 bf16 → fp32
+//              (Q from padded smem via ldmatrix, K via ldmatrix; FP8 K converted in registers)
+//     scale    s *= softmax_scale·log2e (FP8: · k_scale[p], per score column), causal mask −inf
+//     max      quad shuffles → per-warp row max → smem → every warp forms the same tile max
+//     softmax  m' = max(m, tile max); p = 2^(s − m'); α = 2^(m − m'); l = α·l + Σp (per thread,
+//              summed over quads and warps only at the end); P (FP8: · v_scale[p]) → bf16 smem
+//     pv       warp w owns output columns [w·hd/4, (w+1)·hd/4): O = α·O + P · V, mma bf16
+//   Three __syncthreads per tile: tile landed / warp row maxima / P written.
+//   Lane ownership (g = lane / 4, t = lane % 4, standard mma fragments): score columns
+//   8w + 2t + {0, 1}, rows 16·mt + g (+8); O columns per n8 tile 2t + {0, 1} (BF16) or
+//   4t + {0, 2} | 4t + {1, 3} (FP8, see below), same rows — so α is already in the registers.
+//
+//   FP8 → bf16 in registers without a conversion instruction (the Marlin trick): the 7 low
+//   bits of an e4m3 byte shifted into a bf16's exponent/mantissa give exactly fp8 · 2^-120
+//   (normals and subnormals alike). Four bytes [b0 b1 b2 b3] become bf16x2 (b0, b2) and (b1, b3):
+//   for K (reduction over hd) that permutes hd inside each 16-chunk, so Q is staged with the
+//   same permutation; for V (ldmatrix.trans on byte pairs) it yields the even and odd hd of 16
+//   columns as two n8 tiles. To keep every product far from fp32 subnormals, Q is staged
+//   · 2^64 and P · 2^64 (exact powers of two); scores are · 2^56 and O · 2^56 at the end.
+//
+//   Combine (second kernel, only when max_splits > 1): one CTA per (sequence, kv head, row)
+//   merges the splits' normalized o_s and log2-sum-exp λ_s: out = Σ 2^(λ_s − λ) o_s,
+//   λ = log2 Σ 2^λ_s. Single-split sequences are written directly by the attention kernel.
+//
+// Shared memory (hd 256, bf16, M_TILES 1): 3 stages × (K + V) 32 KB + Q 8.4 KB + P 1.3 KB
+//   ≈ 107 KB → 2 CTAs per SM. FP8 tiles are half as big (4 stages, 64 KB).
+//
+// Floor (bytes moved): Σ_b L_b · nkv · hd · 2 (K and V) · elem (+ 2 · 4 per FP8 scale pair)
+//   + partial O when split. B = 1, L = 32K, nkv = 2, hd = 256, bf16: 67 MB → 15.6 µs at the
+//   H200's ≈ 4.3 TB/s copy bandwidth; FP8 34 MB (+0.5 MB scales) → 8.0 µs.
+//   Measured fraction: bench/NOTES.md (bench/bench_attention.py).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "common/checks.h"
+#include "paged_decode.h"
+
+namespace atlas {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileN = kPagedDecodeTileN;   // 32 positions per KV tile: 8 score columns per warp
+constexpr int kMaxRows = 64;                // query rows per CTA (4 MMA row tiles; O regs bound)
+constexpr int kPStride = kTileN + 8;        // P smem row stride (bf16): 80 B, conflict-free
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+// FP8 exponent bookkeeping (see the header comment): bf16(fp8 bits) = fp8 · 2^-120.
+constexpr float kFp8QPreScale = 0x1p64f;    // Q staged · 2^64
+constexpr float kFp8PPreScale = 0x1p64f;    // P · 2^64 before P·V
+constexpr float kFp8Restore = 0x1p56f;      // 2^(120 − 64): applied to scores and to O
+
+template <int HD, bool FP8>
+struct Traits {
+  static constexpr int kElemBytes = FP8 ? 1 : 2;
+  static constexpr int kRowBytes = HD * kElemBytes;        // one position of one kv head
+  static constexpr int kChunks = kRowBytes / 16;           // 16-byte chunks per row: 4..32
+  static constexpr int kTileBytes = kTileN * kRowBytes;    // one K (or V) tile
+  // Stages: ≥ 64 KB of KV in flight per CTA where smem allows 2 CTAs/SM (hd 256 bf16: 3).
+  static constexpr int kStages = 2 * kTileBytes >= 32768 ? 3 : 4;
+  static constexpr int kRowsPerPass = kThreads / kChunks;  // tile rows one cp.async pass fills
+  static constexpr int kColsPerWarp = HD / kWarps;         // O columns per warp: 16, 32, 64
+  static constexpr int kVUnits = kColsPerWarp / 16;        // 16-column V units (2 n8 tiles each)
+  static constexpr int kQStride = HD + 8;                  // Q smem row stride (bf16), padded
+  static_assert(kChunks >= 4 && kTileN % kRowsPerPass == 0, "tile geometry");
+
+  // Byte offset of chunk c of tile row `row`: XOR swizzle so the 8 rows of an ldmatrix
+  // (same logical chunk) land in 8 different 16-byte bank groups.
+  __device__ static __forceinline__ int swizzle(int row, int c) {
+    if constexpr (kChunks >= 8) return row * kRowBytes + ((c ^ (row & 7)) << 4);
+    else return row * kRowBytes + ((c ^ ((row >> 1) & 3)) << 4);  // 64-byte rows, 2 per line
+  }
+};
+
+// Kernel-side problem: the Args plus what the launcher derives once.
+struct Problem {
+  PagedDecodeArgs a;
+  int group;         // nq / nkv
+  int rows_total;    // group · q_len: rows per (sequence, kv head)
+  int row_groups;    // ceil(rows_total / kMaxRows)
+  uint32_t bs_mul;   // fast division by block_size: p / bs = umulhi(p, bs_mul) >> bs_shr
+  uint32_t bs_shr;
+  float score_mult;  // softmax_scale · log2e (FP8: · 2^56)
+};
+
+// ---- PTX wrappers ---------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16-byte async copy; src_bytes 0 writes zeros and reads nothing (positions past the split).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+// D += A · B, m16n8k16, bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// 2^x, ~2 ulp; 2^-inf = 0 (masked scores).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// Four e4m3 bytes [b0 b1 b2 b3] → bf16x2 (b0, b2) and (b1, b3), each value fp8 · 2^-120 exactly:
+// sign stays at bit 15 of each half, the 7 exponent/mantissa bits move down by 4.
+__device__ __forceinline__ void e4m3x4_to_bf16x2(uint32_t x, uint32_t& even, uint32_t& odd) {
+  odd = (x & 0x80008000u) | ((x >> 4) & 0x07F007F0u);
+  const uint32_t y = x << 8;
+  even = (y & 0x80008000u) | ((y >> 4) & 0x07F007F0u);
+}
+
+// FP8 K: within each 16-column chunk, MMA k-slot s holds hd column 4·((s % 8) / 2) + 2·(s % 2) + s / 8
+// (what e4m3x4_to_bf16x2 of an ldmatrix'd K row gives lane t: slots 2t, 2t+1 ← hd 4t, 4t+2;
+// slots 2t+8, 2t+9 ← hd 4t+1, 4t+3). Q is staged in slot order.
+__device__ __forceinline__ int fp8_k_slot_column(int slot) {
+  const int s = slot & 15;
+  return (slot & ~15) + 4 * ((s & 7) >> 1) + 2 * (s & 1) + (s >> 3);
+}
+// O column (within the warp's kColsPerWarp) of element e ∈ {0, 1} of n8 tile `which` ∈ {0, 1}
+// of 16-column V unit u, lane t.
+template <bool FP8>
+__device__ __forceinline__ int o_column(int u, int which, int e, int t) {
+  if constexpr (FP8) return 16 * u + 4 * t + 2 * e + which;  // even / odd hd of the unit
+  else return 16 * u + 8 * which + 2 * t + e;
+}
+
+// ---- attention kernel -----------------------------------------------------------------------
+
+template <int HD, bool FP8, int M_TILES>
+__global__ void __launch_bounds__(kThreads)
+paged_decode_kernel(const __grid_constant__ Problem pb) {
+  using Tr = Traits<HD, FP8>;
+  constexpr int kRows = M_TILES * 16;
+  constexpr int kStages = Tr::kStages;
+  const PagedDecodeArgs& a = pb.a;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* kv_smem = smem;                                                  // [stages][K|V][32 rows] swizzled
+  float* scale_smem = reinterpret_cast<float*>(smem + kStages * 2 * Tr::kTileBytes);  // [stages][K|V][32]
+  __nv_bfloat16* q_smem = reinterpret_cast<__nv_bfloat16*>(
+      scale_smem + (FP8 ? kStages * 2 * kTileN : 0));                       // [kRows][kQStride]
+  __nv_bfloat16* p_smem = q_smem + kRows * Tr::kQStride;                    // [kRows][kPStride]
+  float* red_max = reinterpret_cast<float*>(p_smem + kRows * kPStride);     // [kWarps][kRows]
+  float* red_sum = red_max + kWarps * kRows;                                // [kWarps][kRows]
+
+  const int split = blockIdx.x / pb.row_groups;
+  const int row0 = (blockIdx.x % pb.row_groups) * kMaxRows;   // first row of this CTA
+  const int kvh = blockIdx.y;                                  // kv head
+  const int b = blockIdx.z;                                    // sequence
+  const int capacity = a.max_blocks * a.block_size;
+  const int seq_len = min(max(a.seq_lens[b], 0), capacity);
+  const PagedDecodeSplit plan = paged_decode_split(seq_len);
+  if (split >= plan.count) return;                             // whole CTA: no barrier skipped
+  const int kv_begin = split * plan.chunk;
+  const int kv_end = min(kv_begin + plan.chunk, seq_len);      // ≥ kv_begin
+  const int n_tiles = (kv_end - kv_begin + kTileN - 1) / kTileN;
+  const int rows = min(kMaxRows, pb.rows_total - row0);        // valid rows, ≤ kRows
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;                        // mma fragment coordinates
+
+  // -- stage Q: rows [row0, row0 + rows) of (token j, head g) pairs, zero rows to kRows --------
+  {
+    const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.query);
+    const float q_mult = FP8 ? kFp8QPreScale : 1.f;
+    for (int i = tid; i < kRows * HD; i += kThreads) {
+      const int r = i / HD, c = i % HD;
+      float v = 0.f;
+      if (r < rows) {
+        const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+        const int src = FP8 ? fp8_k_slot_column(c) : c;
+        v = __bfloat162float(q[b * a.q_stride_b + j * a.q_stride_t + (int64_t)h * HD + src]) * q_mult;
+      }
+      q_smem[r * Tr::kQStride + c] = __float2bfloat16_rn(v);   // exact (power-of-two scaling)
+    }
+  }
+
+  // Newest visible position of each of this thread's rows (rows ≥ `rows` are padding).
+  int last_pos[M_TILES][2];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = mt * 16 + g + 8 * hh;
+      const int j = r < rows ? (row0 + r) / pb.group : a.q_len - 1;
+      last_pos[mt][hh] = min(seq_len - a.q_len + j, kv_end - 1);
+    }
+
+  // -- load: tile `tile` of this split → stage `stage` (cp.async, zero-filled when invalid) ----
+  const int64_t row_elems = (int64_t)a.num_kv_heads * HD;      // elements per cache position
+  const int32_t* block_table = a.block_tables + (int64_t)b * a.max_blocks;
+  // Cache row (block · bs + offset) of position pos, or −1: past the split, or a block id
+  // outside [0, num_blocks) (never read; the position then reads as K = V = 0).
+  auto cache_row = [&](int pos) -> int64_t {
+    if (pos >= kv_end) return -1;
+    const int blk_idx = pb.bs_mul ? (int)(__umulhi((uint32_t)pos, pb.bs_mul) >> pb.bs_shr) : pos;
+    const int blk = __ldg(block_table + blk_idx);
+    if ((unsigned)blk >= (unsigned)a.num_blocks) return -1;
+    return (int64_t)blk * a.block_size + (pos - blk_idx * a.block_size);
+  };
+  auto load_tile = [&](int tile, int stage) {
+    const int tile_start = kv_begin + tile * kTileN;
+    const int chunk = tid % Tr::kChunks;
+    uint8_t* k_dst = kv_smem + (stage * 2) * Tr::kTileBytes;
+    uint8_t* v_dst = k_dst + Tr::kTileBytes;
+    const uint8_t* k_src = static_cast<const uint8_t*>(a.k_cache);
+    const uint8_t* v_src = static_cast<const uint8_t*>(a.v_cache);
+#pragma unroll
+    for (int pass = 0; pass < kTileN / Tr::kRowsPerPass; ++pass) {
+      const int row = pass * Tr::kRowsPerPass + tid / Tr::kChunks;
+      const int64_t cache_pos = cache_row(tile_start + row);
+      const bool ok = cache_pos >= 0;
+      const int64_t off = ((cache_pos * row_elems + (int64_t)kvh * HD) * Tr::kElemBytes) + chunk * 16;
+      const int dst = Tr::swizzle(row, chunk);
+      cp_async_16(smem_addr(k_dst + dst), ok ? k_src + off : k_src, ok);
+      cp_async_16(smem_addr(v_dst + dst), ok ? v_src + off : v_src, ok);
+    }
+    if constexpr (FP8) {
+      if (tid < kTileN) {
+        const int64_t cache_pos = cache_row(tile_start + tid);
+        const bool ok = cache_pos >= 0;
+        const int64_t off = cache_pos * a.num_kv_heads + kvh;
+        float* s_dst = scale_smem + stage * 2 * kTileN;
+        cp_async_4(smem_addr(s_dst + tid), ok ? a.k_scale + off : a.k_scale, ok);
+        cp_async_4(smem_addr(s_dst + kTileN + tid), ok ? a.v_scale + off : a.v_scale, ok);
+      }
+    }
+  };
+
+  // -- running state ---------------------------------------------------------------------------
+  float o_acc[M_TILES][2 * Tr::kVUnits][4];   // O rows × this warp's columns (scaled, unnormalized)
+  float m_run[M_TILES][2], l_run[M_TILES][2]; // running max (log2 units) and this thread's Σp
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int n = 0; n < 2 * Tr::kVUnits; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o_acc[mt][n][i] = 0.f;
+    m_run[mt][0] = m_run[mt][1] = -INFINITY;
+    l_run[mt][0] = l_run[mt][1] = 0.f;
+  }
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_tiles) load_tile(s, s);
+    cp_async_commit();                          // empty groups keep the wait counts uniform
+  }
+
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();                            // (tile landed) every thread's copies visible;
+                                                // stage (tile − 1) % kStages free again
+    if (tile + kStages - 1 < n_tiles) load_tile(tile + kStages - 1, (tile + kStages - 1) % kStages);
+    cp_async_commit();
+    const int stage = tile % kStages;
+    const uint8_t* k_tile = kv_smem + (stage * 2) * Tr::kTileBytes;
+    const uint8_t* v_tile = k_tile + Tr::kTileBytes;
+    const float* k_scale_tile = scale_smem + stage * 2 * kTileN;
+    const float* v_scale_tile = k_scale_tile + kTileN;
+    const int tile_start = kv_begin + tile * kTileN;
+
+    // score: S[rows, 8w .. 8w+7] = Q · K^T, 64 hd per step
+    float s_acc[M_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s_acc[mt][i] = 0.f;
+#pragma unroll
+    for (int k64 = 0; k64 < HD / 64; ++k64) {
+      uint32_t kb[4][2];                        // B fragments of 4 k16 chunks
+      const int krow = 8 * warp + (lane & 7);
+      if constexpr (FP8) {                      // one 8×16-byte matrix = 16 hd × 8 positions
+        uint32_t r[4];
+        ldmatrix_x4(r, smem_addr(k_tile + Tr::swizzle(krow, 4 * k64 + lane / 8)));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) e4m3x4_to_bf16x2(r[i], kb[i][0], kb[i][1]);
+      } else {                                  // one matrix = 8 hd × 8 positions
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          uint32_t r[4];
+          ldmatrix_x4(r, smem_addr(k_tile + Tr::swizzle(krow, 8 * k64 + 4 * h2 + lane / 8)));
+          kb[2 * h2][0] = r[0]; kb[2 * h2][1] = r[1];
+          kb[2 * h2 + 1][0] = r[2]; kb[2 * h2 + 1][1] = r[3];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int kc = 4 * k64 + i;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          uint32_t qa[4];
+          ldmatrix_x4(qa, smem_addr(q_smem + (mt * 16 + (lane & 15)) * Tr::kQStride + kc * 16 + (lane >> 4) * 8));
+          mma_bf16(s_acc[mt], qa, kb[i][0], kb[i][1]);
+        }
+      }
+    }
+
+    // scale + causal mask, then this warp's row maxima over its 8 columns
+    const int col = 8 * warp + 2 * t;           // tile column of element 0
+    float col_mult[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) col_mult[e] = FP8 ? k_scale_tile[col + e] * pb.score_mult : pb.score_mult;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& sv = s_acc[mt][2 * hh + e];
+          sv = (tile_start + col + e <= last_pos[mt][hh]) ? sv * col_mult[e] : -INFINITY;
+        }
+        float mx = fmaxf(s_acc[mt][2 * hh], s_acc[mt][2 * hh + 1]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        if (t == 0) red_max[warp * kRows + mt * 16 + g + 8 * hh] = mx;
+      }
+    __syncthreads();                            // (row maxima) all warps' maxima in red_max
+
+    // online softmax: identical m in every warp; P (· v_scale) → bf16 smem
+    float alpha[M_TILES][2];
+    float p_mult[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) p_mult[e] = FP8 ? v_scale_tile[col + e] * kFp8PPreScale : 1.f;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = mt * 16 + g + 8 * hh;
+        float tile_max = red_max[r];
+#pragma unroll
+        for (int w = 1; w < kWarps; ++w) tile_max = fmaxf(tile_max, red_max[w * kRows + r]);
+        const float m_new = fmaxf(m_run[mt][hh], tile_max);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;   // all masked so far: p = 0
+        alpha[mt][hh] = exp2_approx(m_run[mt][hh] - m_use);
+        m_run[mt][hh] = m_new;
+        const float p0 = exp2_approx(s_acc[mt][2 * hh] - m_use);
+        const float p1 = exp2_approx(s_acc[mt][2 * hh + 1] - m_use);
+        l_run[mt][hh] = l_run[mt][hh] * alpha[mt][hh] + (p0 + p1);
+        *reinterpret_cast<uint32_t*>(p_smem + r * kPStride + col) = pack_bf16x2(p0 * p_mult[0], p1 * p_mult[1]);
+      }
+    __syncthreads();                            // (P written) P tile complete
+
+    // pv: O[rows, warp's columns] = α·O + P · V
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int n = 0; n < 2 * Tr::kVUnits; ++n) {
+        o_acc[mt][n][0] *= alpha[mt][0]; o_acc[mt][n][1] *= alpha[mt][0];
+        o_acc[mt][n][2] *= alpha[mt][1]; o_acc[mt][n][3] *= alpha[mt][1];
+      }
+#pragma unroll
+    for (int kc = 0; kc < kTileN / 16; ++kc) {
+      uint32_t pa[M_TILES][4];
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+        ldmatrix_x4(pa[mt], smem_addr(p_smem + (mt * 16 + (lane & 15)) * kPStride + kc * 16 + (lane >> 4) * 8));
+      const int vrow = 16 * kc + (lane & 7) + 8 * ((lane >> 3) & 1);  // positions 0-7 | 8-15
+#pragma unroll
+      for (int u = 0; u < Tr::kVUnits; ++u) {
+        const int col0 = warp * Tr::kColsPerWarp + 16 * u;             // first hd of the unit
+        uint32_t vb[2][2];                                             // [n8 tile][b0|b1]
+        if constexpr (FP8) {                    // 16 hd bytes = one chunk; even/odd hd tiles
+          uint32_t r[2];
+          ldmatrix_x2_trans(r, smem_addr(v_tile + Tr::swizzle(vrow, col0 / 16)));
+          e4m3x4_to_bf16x2(r[0], vb[0][0], vb[1][0]);
+          e4m3x4_to_bf16x2(r[1], vb[0][1], vb[1][1]);
+        } else {                                // 16 hd = two chunks; hd col0..+7 | col0+8..+15
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, smem_addr(v_tile + Tr::swizzle(vrow, col0 / 8 + (lane >> 4))));
+          vb[0][0] = r[0]; vb[0][1] = r[1]; vb[1][0] = r[2]; vb[1][1] = r[3];
+        }
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          mma_bf16(o_acc[mt][2 * u], pa[mt], vb[0][0], vb[0][1]);
+          mma_bf16(o_acc[mt][2 * u + 1], pa[mt], vb[1][0], vb[1][1]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();                           // no copy may outlive the CTA (none pending here)
+
+  // -- epilogue: l over quads and warps, then out (one split) or the split's partials ---------
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float l = l_run[mt][hh];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (t == 0) red_sum[warp * kRows + mt * 16 + g + 8 * hh] = l;
+    }
+  __syncthreads();                              // (row sums) all warps' sums in red_sum
+
+  const bool direct = plan.count == 1;
+  const float o_mult = FP8 ? kFp8Restore : 1.f;
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = mt * 16 + g + 8 * hh;
+      if (r >= rows) continue;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) l += red_sum[w * kRows + r];
+      const float inv = l > 0.f ? o_mult / l : 0.f;
+      const float lse2 = l > 0.f ? m_run[mt][hh] + __log2f(l) : -INFINITY;  // log2 units
+      const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+      if (direct) {
+        const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
+        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * HD + warp * Tr::kColsPerWarp;
+#pragma unroll
+        for (int u = 0; u < Tr::kVUnits; ++u)
+#pragma unroll
+          for (int which = 0; which < 2; ++which)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              out[o_column<FP8>(u, which, e, t)] = __float2bfloat16_rn(o_acc[mt][2 * u + which][2 * hh + e] * inv);
+        if (a.lse != nullptr && warp == 0 && t == 0) a.lse[orow] = lse2 * kLn2;
+      } else {
+        const int64_t prow = (((int64_t)b * a.num_kv_heads + kvh) * a.max_splits + split) * pb.rows_total + gr;
+        float* po = a.partial_o + prow * HD + warp * Tr::kColsPerWarp;
+#pragma unroll
+        for (int u = 0; u < Tr::kVUnits; ++u)
+#pragma unroll
+          for (int which = 0; which < 2; ++which)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              po[o_column<FP8>(u, which, e, t)] = o_acc[mt][2 * u + which][2 * hh + e] * inv;
+        if (warp == 0 && t == 0) a.partial_lse[prow] = lse2;
+      }
+    }
+}
+
+// ---- split combine --------------------------------------------------------------------------
+// Grid (nkv · rows_total, B), kCombineThreads threads: one CTA per (sequence, kv head, row).
+// Warp 0 turns the splits' λ_s into weights 2^(λ_s − max λ) in smem; then each thread sums
+// columns c = tid, tid + kCombineThreads, ... over the splits (coalesced across the CTA).
+constexpr int kCombineThreads = 64;
+
+__global__ void __launch_bounds__(kCombineThreads)
+paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
+  const PagedDecodeArgs& a = pb.a;
+  const int gr = blockIdx.x % pb.rows_total, kvh = blockIdx.x / pb.rows_total, b = blockIdx.y;
+  const int seq_len = min(max(a.seq_lens[b], 0), a.max_blocks * a.block_size);
+  const int count = paged_decode_split(seq_len).count;
+  if (count <= 1) return;                       // written by the attention kernel
+
+  __shared__ float weight[kPagedDecodeMaxSplits];
+  __shared__ float total_s, max_s;
+  const int64_t prow0 = ((int64_t)b * a.num_kv_heads + kvh) * a.max_splits * pb.rows_total + gr;
+  const int64_t split_stride = pb.rows_total;   // partial rows between consecutive splits
+  if (threadIdx.x < 32) {
+    float mx = -INFINITY;
+    for (int s = threadIdx.x; s < count; s += 32) mx = fmaxf(mx, a.partial_lse[prow0 + s * split_stride]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    for (int s = threadIdx.x; s < count; s += 32) {
+      const float w = mx == -INFINITY ? 0.f : exp2_approx(a.partial_lse[prow0 + s * split_stride] - mx);
+      weight[s] = w;
+      sum += w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (threadIdx.x == 0) { total_s = sum; max_s = mx; }
+  }
+  __syncthreads();
+  const float total = total_s;
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  const int hd = a.head_dim;
+  const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+  const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
+  const float* po = a.partial_o + prow0 * hd;
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * hd;
+  for (int c = threadIdx.x; c < hd; c += kCombineThreads) {
+    float acc = 0.f;
+    for (int s = 0; s < count; ++s) acc += weight[s] * po[s * split_stride * hd + c];
+    out[c] = __float2bfloat16_rn(acc * inv);
+  }
+  if (a.lse != nullptr && threadIdx.x == 0)
+    a.lse[orow] = total > 0.f ? (max_s + __log2f(total)) * kLn2 : -INFINITY;
+}
+
+// ---- launcher -------------------------------------------------------------------------------
+
+// ceil(log2(d)) for d ≥ 1.
+int ceil_log2(uint32_t d) {
+  int s = 0;
+  while ((1ull << s) < d) ++s;
+  return s;
+}
+
+constexpr int kMaxDevices = 64;
+
+template <int HD, bool FP8, int M_TILES>
+size_t smem_bytes() {
+  using Tr = Traits<HD, FP8>;
+  constexpr int kRows = M_TILES * 16;
+  return (size_t)Tr::kStages * 2 * Tr::kTileBytes + (FP8 ? Tr::kStages * 2 * kTileN * sizeof(float) : 0) +
+         (size_t)kRows * Tr::kQStride * 2 + (size_t)kRows * kPStride * 2 + 2 * kWarps * kRows * sizeof(float);
+}
+
+template <int HD, bool FP8, int M_TILES>
+cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
+  const size_t smem = smem_bytes<HD, FP8, M_TILES>();
+  auto kernel = paged_decode_kernel<HD, FP8, M_TILES>;
+  // > 48 KB of dynamic smem must be opted into, once per device (a host call, graph-safe).
+  static bool opted_in[kMaxDevices] = {};
+  int device = 0;
+  ATLAS_RETURN_IF_ERROR(cudaGetDevice(&device));
+  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (!opted_in[device]) {  // a race only sets the attribute twice
+    ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    opted_in[device] = true;
+  }
+  const dim3 grid(pb.a.max_splits * pb.row_groups, pb.a.num_kv_heads, pb.a.batch);
+  kernel<<<grid, kThreads, smem, stream>>>(pb);
+  return cudaGetLastError();
+}
+
+template <int HD, bool FP8>
+cudaError_t launch_rows(const Problem& pb, int m_tiles, cudaStream_t stream) {
+  switch (m_tiles) {
+    case 1: return launch_instance<HD, FP8, 1>(pb, stream);
+    case 2: return launch_instance<HD, FP8, 2>(pb, stream);
+    default: return launch_instance<HD, FP8, 4>(pb, stream);  // 3 and 4 row tiles
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream) {
+  const PagedDecodeArgs& a = args;
+  const bool fp8 = a.kv_dtype == DType::kE4M3;
+  if (a.query == nullptr || a.k_cache == nullptr || a.v_cache == nullptr || a.block_tables == nullptr ||
+      a.seq_lens == nullptr || a.out == nullptr || (fp8 && (a.k_scale == nullptr || a.v_scale == nullptr)) ||
+      (a.kv_dtype != DType::kBF16 && !fp8) || a.batch < 1 || a.batch > 65535 || a.q_len < 1 ||
+      a.q_len > kPagedDecodeMaxQLen || a.num_kv_heads < 1 || a.num_kv_heads > 65535 ||
+      a.num_q_heads < 1 || a.num_q_heads % a.num_kv_heads != 0 ||
+      (a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256) || a.block_size < 1 ||
+      a.num_blocks < 0 || a.max_blocks < 1 || (int64_t)a.max_blocks * a.block_size > (1ll << 31) - 1 ||
+      a.max_splits != paged_decode_max_splits((int64_t)a.max_blocks * a.block_size) ||
+      (a.max_splits > 1 && (a.partial_o == nullptr || a.partial_lse == nullptr)) ||
+      !(a.softmax_scale > 0.f) || a.softmax_scale == INFINITY)
+    return cudaErrorInvalidValue;
+
+  Problem pb{};
+  pb.a = a;
+  pb.group = a.num_q_heads / a.num_kv_heads;
+  pb.rows_total = pb.group * a.q_len;
+  pb.row_groups = (pb.rows_total + kMaxRows - 1) / kMaxRows;
+  if ((int64_t)a.max_splits * pb.row_groups > (1ll << 31) - 1) return cudaErrorInvalidValue;
+  // p / bs = umulhi(p, mul) >> shr for 0 ≤ p < 2^31 (Granlund–Montgomery; CUTLASS FastDivmod).
+  if (a.block_size == 1) {
+    pb.bs_mul = 0; pb.bs_shr = 0;               // the kernel divides by 1 as identity
+  } else {
+    const int p = 31 + ceil_log2((uint32_t)a.block_size);
+    pb.bs_mul = (uint32_t)(((1ull << p) + a.block_size - 1) / a.block_size);
+    pb.bs_shr = p - 32;
+  }
+  pb.score_mult = a.softmax_scale * kLog2e * (fp8 ? kFp8Restore : 1.f);
+  const int m_tiles = (min(pb.rows_total, kMaxRows) + 15) / 16;
+
+  cudaError_t err;
+  switch (a.head_dim) {
+    case 64: err = fp8 ? launch_rows<64, true>(pb, m_tiles, stream) : launch_rows<64, false>(pb, m_tiles, stream); break;
+    case 128: err = fp8 ? launch_rows<128, true>(pb, m_tiles, stream) : launch_rows<128, false>(pb, m_tiles, stream); break;
+    default: err = fp8 ? launch_rows<256, true>(pb, m_tiles, stream) : launch_rows<256, false>(pb, m_tiles, stream); break;
+  }
+  ATLAS_RETURN_IF_ERROR(err);
+  if (a.max_splits > 1) {
+    const dim3 grid(a.num_kv_heads * pb.rows_total, a.batch);
+    paged_decode_combine_kernel<<<grid, kCombineThreads, 0, stream>>>(pb);
+    ATLAS_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  return cudaSuccess;
+}
+
+}  // namespace atlas

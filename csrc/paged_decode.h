@@ -1,0 +1,78 @@
+// paged_decode: decode / speculative-verify attention over the paged KV cache (DESIGN "Paged KV
+// cache"), BF16 or FP8 E4M3 KV with one float32 scale per (token, kv head), GQA, split-K.
+// Launcher only; no torch.
+#pragma once
+#include <cuda_runtime.h>
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace atlas {
+
+struct PagedDecodeArgs {
+  const void* query;           // [B, q_len, nq, hd] bf16; (nq, hd) contiguous, rows q_stride_* apart
+  const void* k_cache;         // [num_blocks, bs, nkv, hd] bf16 | e4m3, contiguous, 16-byte aligned
+  const void* v_cache;         // [num_blocks, bs, nkv, hd] same dtype and shape as k_cache
+  const float* k_scale;        // [num_blocks, bs, nkv] f32 (e4m3 cache only; else nullptr)
+  const float* v_scale;        // [num_blocks, bs, nkv] f32 (e4m3 cache only; else nullptr)
+  const int32_t* block_tables; // [B, max_blocks] contiguous; ids outside [0, num_blocks) read as 0
+  const int32_t* seq_lens;     // [B] tokens in the cache incl. the q_len new ones; clamped to
+                               //     [0, max_blocks · bs] on the device
+  void* out;                   // [B, q_len, nq, hd] bf16 contiguous (written)
+  float* lse;                  // [B, q_len, nq] f32 contiguous, natural log (written; may be null)
+  float* partial_o;            // [B, nkv, max_splits, group·q_len, hd] f32 workspace (max_splits > 1)
+  float* partial_lse;          // [B, nkv, max_splits, group·q_len] f32 workspace (max_splits > 1)
+  int64_t q_stride_b;          // elements between query[b] and query[b + 1]
+  int64_t q_stride_t;          // elements between query[b, j] and query[b, j + 1]
+  int batch;                   // B in [1, 65535]
+  int q_len;                   // query tokens per sequence, [1, kPagedDecodeMaxQLen]
+  int num_q_heads;             // nq, a multiple of nkv
+  int num_kv_heads;            // nkv in [1, 65535]
+  int head_dim;                // hd in {64, 128, 256}
+  int block_size;              // bs ≥ 1 (any: 16, 528, ...)
+  int num_blocks;              // rows of the cache pools
+  int max_blocks;              // columns of block_tables
+  int max_splits;              // paged_decode_max_splits(max_blocks · bs): workspace split slots
+  float softmax_scale;         // scores = softmax_scale · q·k (finite, > 0)
+  DType kv_dtype;              // kBF16 | kE4M3
+};
+
+constexpr int kPagedDecodeMaxQLen = 8;
+
+// Split-K rule (flash-decoding). It depends on the sequence's own seq_len only, never on the
+// batch, so a sequence's output bits do not depend on what else is in the batch. A sequence of
+// L tokens gets nominal = clamp(ceil(L / kPagedDecodeMinSplitLen), 1, kPagedDecodeMaxSplits)
+// splits of chunk = round_up(ceil(L / nominal), kPagedDecodeTileN) positions; the count that
+// actually holds positions is ceil(L / chunk) ≤ nominal.
+constexpr int kPagedDecodeTileN = 32;         // KV positions per shared-memory tile
+constexpr int kPagedDecodeMinSplitLen = 256;  // fewer positions per split: partial O traffic > ~3%
+constexpr int kPagedDecodeMaxSplits = 128;    // L ≤ 32K keeps 256-position splits
+
+struct PagedDecodeSplit {
+  int chunk;  // positions per split, a multiple of kPagedDecodeTileN
+  int count;  // splits holding positions (1 when L == 0)
+};
+
+__host__ __device__ inline PagedDecodeSplit paged_decode_split(int seq_len) {
+  const int len = seq_len > 0 ? seq_len : 0;
+  int nominal = (len + kPagedDecodeMinSplitLen - 1) / kPagedDecodeMinSplitLen;
+  nominal = nominal < 1 ? 1 : (nominal > kPagedDecodeMaxSplits ? kPagedDecodeMaxSplits : nominal);
+  const int per = ((len > 0 ? len : 1) + nominal - 1) / nominal;
+  const int chunk = (per + kPagedDecodeTileN - 1) / kPagedDecodeTileN * kPagedDecodeTileN;
+  const int count = len > 0 ? (len + chunk - 1) / chunk : 1;
+  return {chunk, count};
+}
+
+// Workspace split slots for sequences of at most `capacity` = max_blocks · bs tokens: the
+// nominal count at the capacity bounds every sequence's count (it is monotone in L).
+__host__ __device__ inline int paged_decode_max_splits(int64_t capacity) {
+  const int64_t n = (capacity + kPagedDecodeMinSplitLen - 1) / kPagedDecodeMinSplitLen;
+  return n < 1 ? 1 : (n > kPagedDecodeMaxSplits ? kPagedDecodeMaxSplits : static_cast<int>(n));
+}
+
+// One or two launches on `stream` (attention, then the split combine when max_splits > 1);
+// never syncs. cudaErrorInvalidValue for arguments outside the ranges above (ops.paged_decode
+// rejects them first, naming the argument).
+cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream);
+
+}  // namespace atlas
