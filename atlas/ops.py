@@ -377,6 +377,216 @@ def _(query, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v
 # small layer ops: rms_norm, rope, sigmoid gate, argmax, embedding, moe routing (insert below)
 # =============================================================================================
 
+# ---- rms_norm / qk_norm_rope / sigmoid_gate_mul (attention layer work) ----------------------
+
+QK_NORM_ROPE_HEAD_DIMS = (64, 128, 256)  # kernel instances (csrc/qk_norm_rope.cu); CPU: any
+
+
+def _check_aligned_rows(op: str, name: str, x: Tensor) -> None:
+    """bf16 rows the kernels read with up-to-16-byte vectors: last dim contiguous, every other
+    stride and the storage offset multiples of 8 elements."""
+    if x.stride(-1) != 1 or any(s % 8 != 0 for s, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1):
+        raise ValueError(f"{op}: {name} must have a contiguous last dim and other strides that are "
+                         f"multiples of 8 elements, got strides {x.stride()}")
+    if x.storage_offset() % 8 != 0:
+        raise ValueError(f"{op}: {name} must start 16-byte aligned (storage offset a multiple of 8 "
+                         f"elements), got storage offset {x.storage_offset()}")
+
+
+def _check_norm_weight(op: str, name: str, w: Tensor, dim: int, device) -> None:
+    check_tensor(op, name, w, dtypes=(torch.bfloat16, torch.float32), shape=(dim,), device=device,
+                 contiguous=True, what=f"bf16 | f32 [{dim}]")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centered: bool = False) -> Tensor:
+    """RMSNorm of each row: y = x · rsqrt(mean(x²) + eps) · w, float32 math, one bf16 rounding.
+
+    Args:
+        x: [R, D] bf16, D % 8 == 0; rows may be strided (row stride a multiple of 8 elements,
+            last dim contiguous, 16-byte aligned start).
+        weight: [D] bf16 | f32 (HF norm weight as stored).
+        eps: added to mean(x²) (config rms_norm_eps, 1e-6 for Qwen3).
+        zero_centered: w = 1 + weight (Qwen3-Next / 3.5 / 3.6 norms, weights stored around 0)
+            if True, else w = weight (Qwen3). Default False.
+    Returns:
+        [R, D] bf16, contiguous.
+    Raises:
+        TypeError: wrong dtypes. ValueError: shapes, strides, alignment, devices.
+    Example:
+        >>> rms_norm(torch.randn(2, 16).bfloat16(), torch.zeros(16), 1e-6, zero_centered=True).shape
+        torch.Size([2, 16])
+    """
+    op = "rms_norm"
+    check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=2, what="bf16 [R, D]")
+    if x.shape[1] % 8 != 0:
+        raise ValueError(f"{op}: x must have D % 8 == 0, got shape {list(x.shape)}")
+    _check_aligned_rows(op, "x", x)
+    _check_norm_weight(op, "weight", weight, x.shape[1], x.device)
+    if use_kernel(x, weight):
+        return torch.ops.atlas.rms_norm(x, weight, float(eps), bool(zero_centered))
+    return reference.rms_norm(x, weight, float(eps), bool(zero_centered))
+
+
+@torch.library.custom_op("atlas::rms_norm", mutates_args=())
+def _rms_norm_kernel(x: Tensor, weight: Tensor, eps: float, zero_centered: bool) -> Tensor:
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if x.shape[0] > 0:
+        _C.rms_norm(x, weight, out, eps, zero_centered)
+    return out
+
+
+@_rms_norm_kernel.register_fake
+def _(x, weight, eps, zero_centered):
+    return x.new_empty(x.shape)
+
+
+def qk_norm_rope(q: Tensor, k: Tensor, v: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
+                 positions: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                 k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None, *, eps: float,
+                 zero_centered: bool, rotary_dim: int, rope_theta: float) -> Tensor:
+    """The attention prologue in one launch: per-head RMSNorm of q and k, partial NeoX RoPE on
+    both, and K (normed, rotated) and V (as given) written into the paged cache.
+
+    Each output value is rounded to bf16 once. K's bf16 row is what a BF16 cache stores and
+    what an FP8 cache quantizes, exactly as reshape_and_cache does (scale = amax / 448 per
+    (token, kv head), IEEE division), so an FP8 cache holds the same bytes either way.
+    No host sync; CUDA-graph capturable.
+
+    Args:
+        q: [T, nq, hd] bf16, last dim contiguous, other strides multiples of 8 elements (a view
+            into a [T, nq, 2·hd] q+gate projection or a [T, 2·nq·hd] q|gate buffer is fine).
+        k, v: [T, nkv, hd] bf16, same stride rules.
+        q_norm_weight, k_norm_weight: [hd] bf16 | f32, one dtype.
+        positions: int64 [T], RoPE position of each token (AttentionMetadata.positions).
+        k_cache, v_cache: [num_blocks, bs, nkv, hd] bf16 | float8_e4m3fn, contiguous.
+        slot_mapping: int64 [T]; slot < 0 skips the token's write. Slots ≥ num_blocks·bs raise
+            on CPU; the kernel skips them (checking would sync).
+        k_scale, v_scale: float32 [num_blocks, bs, nkv] for an FP8 cache (written), else None.
+        eps: RMSNorm epsilon. zero_centered: norm weight is 1 + w (Qwen3-Next family) or w.
+        rotary_dim: rotated dims (even, ≤ hd; hd for full RoPE, hd/4 for Qwen3-Next).
+        rope_theta: RoPE base.
+    Returns:
+        q_out [T, nq, hd] bf16, contiguous.
+    Raises:
+        TypeError: wrong dtypes. ValueError: shapes, strides, devices, scales, rotary_dim,
+            head_dim not in (64, 128, 256) on the GPU, slots out of range on the CPU.
+    Example:
+        >>> q, k = torch.randn(1, 2, 64).bfloat16(), torch.randn(1, 1, 64).bfloat16()
+        >>> kc = torch.zeros(1, 16, 1, 64, dtype=torch.bfloat16)
+        >>> qo = qk_norm_rope(q, k, k.clone(), torch.ones(64), torch.ones(64), torch.tensor([5]),
+        ...                   kc, kc.clone(), torch.tensor([3]), eps=1e-6, zero_centered=False,
+        ...                   rotary_dim=64, rope_theta=1e6)
+    """
+    op = "qk_norm_rope"
+    check_tensor(op, "q", q, dtype=torch.bfloat16, ndim=3, what="bf16 [T, nq, hd]")
+    t, nq, hd = q.shape
+    dev = q.device
+    check_tensor(op, "k", k, dtype=torch.bfloat16, ndim=3, device=dev, what="bf16 [T, nkv, hd]")
+    check_tensor(op, "k", k, shape=(t, None, hd), what=f"bf16 [T={t}, nkv, hd={hd}] (T, hd of q)")
+    nkv = k.shape[1]
+    check_tensor(op, "v", v, dtype=torch.bfloat16, shape=(t, nkv, hd), device=dev, what="bf16 [T, nkv, hd] like k")
+    if hd % 8 != 0:
+        raise ValueError(f"{op}: q must have hd % 8 == 0, got shape {list(q.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_aligned_rows(op, name, x)
+    _check_norm_weight(op, "q_norm_weight", q_norm_weight, hd, dev)
+    check_tensor(op, "k_norm_weight", k_norm_weight, dtype=q_norm_weight.dtype, shape=(hd,), device=dev,
+                 contiguous=True, what=f"[{hd}] of q_norm_weight's dtype")
+    check_tensor(op, "positions", positions, dtype=torch.int64, shape=(t,), device=dev, what="int64 [T]")
+    check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, shape=(t,), device=dev, what="int64 [T]")
+    check_tensor(op, "k_cache", k_cache, dtypes=(torch.bfloat16, torch.float8_e4m3fn),
+                 shape=(None, None, nkv, hd), device=dev, contiguous=True,
+                 what=f"bf16 | float8_e4m3fn [num_blocks, bs, nkv={nkv}, hd={hd}]")
+    check_tensor(op, "v_cache", v_cache, dtype=k_cache.dtype, shape=tuple(k_cache.shape), device=dev,
+                 contiguous=True, what="like k_cache")
+    num_blocks, bs = k_cache.shape[:2]
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not fp8:
+            if scale is not None:
+                raise ValueError(f"{op}: {name} must be None for a bf16 cache, got a tensor")
+            continue
+        if scale is None:
+            raise ValueError(f"{op}: {name} float32 [num_blocks, bs, nkv] is required for a "
+                             f"float8_e4m3fn cache, got None")
+        check_tensor(op, name, scale, dtype=torch.float32, shape=(num_blocks, bs, nkv), device=dev,
+                     contiguous=True, what="float32 [num_blocks, bs, nkv]")
+    if not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool):
+        raise TypeError(f"{op}: rotary_dim must be an int, got {type(rotary_dim).__name__}")
+    if rotary_dim < 0 or rotary_dim % 2 != 0 or rotary_dim > hd:
+        raise ValueError(f"{op}: rotary_dim must be even and in [0, hd={hd}], got {rotary_dim}")
+    if not slot_mapping.is_cuda and t > 0 and int(slot_mapping.max()) >= num_blocks * bs:
+        raise ValueError(f"{op}: slot_mapping must hold slots < num_blocks·bs = {num_blocks * bs}, "
+                         f"got {int(slot_mapping.max())}")
+    if use_kernel(q, k_cache):
+        if hd not in QK_NORM_ROPE_HEAD_DIMS:
+            raise ValueError(f"{op}: q must have hd in {QK_NORM_ROPE_HEAD_DIMS} on the GPU, got {hd}")
+        return torch.ops.atlas.qk_norm_rope(q, k, v, q_norm_weight, k_norm_weight, positions, k_cache,
+                                            v_cache, slot_mapping, k_scale, v_scale, float(eps),
+                                            bool(zero_centered), int(rotary_dim), float(rope_theta))
+    return reference.qk_norm_rope(q, k, v, q_norm_weight, k_norm_weight, positions, k_cache, v_cache,
+                                  slot_mapping, k_scale, v_scale, eps=float(eps),
+                                  zero_centered=bool(zero_centered), rotary_dim=int(rotary_dim),
+                                  rope_theta=float(rope_theta))
+
+
+@torch.library.custom_op("atlas::qk_norm_rope", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
+def _qk_norm_rope_kernel(q: Tensor, k: Tensor, v: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
+                         positions: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                         k_scale: Optional[Tensor], v_scale: Optional[Tensor], eps: float,
+                         zero_centered: bool, rotary_dim: int, rope_theta: float) -> Tensor:
+    q_out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    if q.shape[0] > 0:
+        _C.qk_norm_rope(q, k, v, q_norm_weight, k_norm_weight, positions, k_cache, v_cache, slot_mapping,
+                        k_scale, v_scale, q_out, eps, zero_centered, rotary_dim, rope_theta)
+    return q_out
+
+
+@_qk_norm_rope_kernel.register_fake
+def _(q, k, v, q_norm_weight, k_norm_weight, positions, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+      eps, zero_centered, rotary_dim, rope_theta):
+    return q.new_empty(q.shape)
+
+
+def sigmoid_gate_mul(x: Tensor, gate: Tensor) -> Tensor:
+    """Gated attention output: out = x · sigmoid(gate), float32 math, one bf16 rounding.
+
+    Args:
+        x: [T, H, hd] bf16, contiguous (attention output, heads concatenated per token).
+        gate: [T, H, hd] bf16; last dim contiguous, other strides multiples of 8 elements (the
+            gate half of a per-head [q | gate] projection is a view with head stride 2·hd).
+    Returns:
+        [T, H, hd] bf16, contiguous.
+    Raises:
+        TypeError: wrong dtypes. ValueError: shapes, strides, devices, hd % 8 != 0.
+    Example:
+        >>> sigmoid_gate_mul(torch.ones(1, 2, 8).bfloat16(), torch.zeros(1, 2, 8).bfloat16())[0, 0, 0]
+        tensor(0.5000, dtype=torch.bfloat16)
+    """
+    op = "sigmoid_gate_mul"
+    check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=3, contiguous=True, what="bf16 [T, H, hd]")
+    check_tensor(op, "gate", gate, dtype=torch.bfloat16, shape=tuple(x.shape), device=x.device,
+                 what="bf16 [T, H, hd] like x")
+    if x.shape[2] % 8 != 0:
+        raise ValueError(f"{op}: x must have hd % 8 == 0, got shape {list(x.shape)}")
+    _check_aligned_rows(op, "gate", gate)
+    if use_kernel(x, gate):
+        return torch.ops.atlas.sigmoid_gate_mul(x, gate)
+    return reference.sigmoid_gate_mul(x, gate)
+
+
+@torch.library.custom_op("atlas::sigmoid_gate_mul", mutates_args=())
+def _sigmoid_gate_mul_kernel(x: Tensor, gate: Tensor) -> Tensor:
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    _C.sigmoid_gate_mul(x, gate, out)
+    return out
+
+
+@_sigmoid_gate_mul_kernel.register_fake
+def _(x, gate):
+    return x.new_empty(x.shape)
+
+
 # ---- argmax / moe_route / embedding (MTP work) ---------------------------------------------
 
 ARGMAX_CHUNK = 4096  # logits per CTA in the split pass; must equal atlas::kArgmaxChunk (csrc/argmax.h)

@@ -216,6 +216,68 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # small layer ops: rms_norm, rope, sigmoid gate, argmax, moe routing (layer work: insert below)
 # =============================================================================================
 
+# ---- rms_norm / qk_norm_rope / sigmoid_gate_mul (attention layer work) ----------------------
+
+
+def _rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """float32 x·rsqrt(mean(x²) + eps)·w over the last dim; w = 1 + weight when zero_centered
+    (Qwen3-Next / 3.5 / 3.6 norms), weight otherwise (Qwen3)."""
+    xf = x.float()
+    w = weight.float() + 1.0 if zero_centered else weight.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * w
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """x [R, D] bf16, weight [D] bf16|f32 → [R, D] bf16: float32 math, one rounding at the end."""
+    return _rms_normalize(x, weight, eps, zero_centered).to(torch.bfloat16)
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, rope_theta: float):
+    """NeoX RoPE tables for int64 positions [T] → (cos, sin) float32 [T, rotary_dim/2].
+
+    inv_freq_i = theta^(−2i/rotary_dim), angle = pos · inv_freq_i, both in float64, then
+    cos/sin in float64 rounded once to float32 (exact up to that rounding at any position;
+    HF computes the angle in float32, which loses ~3 mrad at position 32K)."""
+    i = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=positions.device)
+    inv_freq = torch.pow(torch.tensor(float(rope_theta), dtype=torch.float64), -i / rotary_dim)
+    angle = positions.to(torch.float64).unsqueeze(-1) * inv_freq                  # [T, rot/2]
+    return torch.cos(angle).float(), torch.sin(angle).float()
+
+
+def apply_rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial NeoX (rotate-half) RoPE on float32 x [T, H, hd] with cos/sin [T, rot/2]: dim i
+    pairs with dim i + rot/2 for i < rot/2; dims ≥ rot pass through."""
+    half = cos.shape[-1]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)                                      # [T, 1, rot/2]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor,
+                 k_norm_weight: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale=None, v_scale=None, *,
+                 eps: float, zero_centered: bool, rotary_dim: int, rope_theta: float) -> torch.Tensor:
+    """Per-head RMSNorm of q and k, partial NeoX RoPE, then K and V into the paged cache.
+
+    q [T, nq, hd], k/v [T, nkv, hd] bf16 (strided views allowed); norm weights [hd];
+    positions int64 [T]; slot_mapping int64 [T] (< 0 skips the write). Returns q_out
+    [T, nq, hd] bf16 = bf16(rope(norm(q))). K is rounded ONCE to bf16 after norm and RoPE
+    (k_bf = bf16(rope(norm(k)))) and written with exactly the math of reshape_and_cache
+    (BF16 copy, or FP8 with one scale per (token, kv head)); V is written as given."""
+    cos, sin = rope_cos_sin(positions, rotary_dim, rope_theta)
+    qn = apply_rope_neox(_rms_normalize(q, q_norm_weight, eps, zero_centered), cos, sin)
+    kn = apply_rope_neox(_rms_normalize(k, k_norm_weight, eps, zero_centered), cos, sin)
+    reshape_and_cache(kn.to(torch.bfloat16), v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return qn.to(torch.bfloat16)
+
+
+def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """out = x · sigmoid(gate), elementwise in float32, one rounding to bf16 (Qwen3-Next gated
+    attention output, before o_proj). x and gate bf16 of one shape."""
+    return (x.float() * torch.sigmoid(gate.float())).to(torch.bfloat16)
+
+
+
 # ---- argmax / moe_route / embedding (MTP work) ---------------------------------------------
 
 

@@ -15,6 +15,9 @@
 #include "argmax.h"
 #include "embedding.h"
 #include "moe_route.h"
+#include "qk_norm_rope.h"
+#include "rms_norm.h"
+#include "sigmoid_gate.h"
 // (each kernel family adds its header include here)
 
 namespace {
@@ -204,6 +207,108 @@ void paged_decode(const torch::Tensor& query,                       // [B, q_len
 
 
 // ---- small fused layer kernels (norm, rope, gating, argmax, embedding, moe routing) ---------
+// -- rms_norm / qk_norm_rope / sigmoid_gate_mul (attention layer work) --
+void rms_norm(const torch::Tensor& x,        // [R, D] bf16, inner dim contiguous
+              const torch::Tensor& weight,   // [D] bf16|f32
+              torch::Tensor& out,            // [R, D] bf16 (out)
+              double eps, bool zero_centered) {
+  CHECK_CUDA_TENSOR(x); CHECK_CUDA_TENSOR(weight); CHECK_CONTIGUOUS(weight); CHECK_CONTIGUOUS(out);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1 && x.size(1) % 8 == 0 &&
+              (x.size(0) <= 1 || x.stride(0) % 8 == 0), "rms_norm: x must be bf16 [R, D], D % 8 == 0, row stride % 8 == 0");
+  TORCH_CHECK(weight.numel() == x.size(1) && (weight.scalar_type() == torch::kBFloat16 || weight.scalar_type() == torch::kFloat),
+              "rms_norm: weight must be bf16|f32 [D]");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == torch::kBFloat16, "rms_norm: out must be bf16 [R, D]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  atlas::RmsNormArgs a{};
+  a.x = x.data_ptr(); a.weight = weight.data_ptr(); a.out = out.data_ptr();
+  a.rows = x.size(0); a.dim = x.size(1); a.x_row_stride = x.size(0) > 1 ? x.stride(0) : x.size(1);
+  a.eps = static_cast<float>(eps); a.weight_f32 = weight.scalar_type() == torch::kFloat; a.zero_centered = zero_centered;
+  check_cuda(atlas::launch_rms_norm(a, current_stream(x)), "rms_norm");
+}
+
+void qk_norm_rope(const torch::Tensor& q,               // [T, nq, hd] bf16, strided, inner contiguous
+                  const torch::Tensor& k,               // [T, nkv, hd] bf16, strided
+                  const torch::Tensor& v,               // [T, nkv, hd] bf16, strided
+                  const torch::Tensor& q_norm_weight,   // [hd] bf16|f32
+                  const torch::Tensor& k_norm_weight,   // [hd] same dtype
+                  const torch::Tensor& positions,       // [T] int64
+                  torch::Tensor& k_cache,               // [num_blocks, bs, nkv, hd] bf16|e4m3 (in/out)
+                  torch::Tensor& v_cache,               // [num_blocks, bs, nkv, hd] bf16|e4m3 (in/out)
+                  const torch::Tensor& slot_mapping,    // [T] int64
+                  const std::optional<torch::Tensor>& k_scale,  // [num_blocks, bs, nkv] f32 (out, e4m3 only)
+                  const std::optional<torch::Tensor>& v_scale,
+                  torch::Tensor& q_out,                 // [T, nq, hd] bf16 (out)
+                  double eps, bool zero_centered, int64_t rotary_dim, double rope_theta) {
+  for (const auto* t : {&q, &k, &v, &q_norm_weight, &k_norm_weight, &positions, &k_cache, &v_cache, &slot_mapping, &q_out})
+    CHECK_CUDA_TENSOR(*t);
+  CHECK_CONTIGUOUS(k_cache); CHECK_CONTIGUOUS(v_cache); CHECK_CONTIGUOUS(q_out); CHECK_CONTIGUOUS(positions);
+  CHECK_CONTIGUOUS(slot_mapping); CHECK_CONTIGUOUS(q_norm_weight); CHECK_CONTIGUOUS(k_norm_weight);
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(0) == k.size(0) && q.size(2) == k.size(2),
+              "qk_norm_rope: q must be [T, nq, hd], k and v [T, nkv, hd]");
+  const int64_t t = q.size(0), nq = q.size(1), nkv = k.size(1), hd = q.size(2);
+  for (const auto* x : {&q, &k, &v})
+    TORCH_CHECK(x->scalar_type() == torch::kBFloat16 && x->stride(2) == 1 && x->stride(0) % 8 == 0 && x->stride(1) % 8 == 0 &&
+                reinterpret_cast<uintptr_t>(x->data_ptr()) % 16 == 0,
+                "qk_norm_rope: q, k, v must be bf16 with contiguous rows, strides % 8 == 0, 16-byte aligned");
+  const bool fp8 = k_cache.scalar_type() == at::ScalarType::Float8_e4m3fn;
+  TORCH_CHECK((fp8 || k_cache.scalar_type() == torch::kBFloat16) && v_cache.scalar_type() == k_cache.scalar_type() &&
+              k_cache.dim() == 4 && k_cache.size(2) == nkv && k_cache.size(3) == hd && v_cache.sizes() == k_cache.sizes(),
+              "qk_norm_rope: k_cache, v_cache must be bf16|e4m3 [num_blocks, bs, nkv, hd]");
+  TORCH_CHECK(k_scale.has_value() == fp8 && v_scale.has_value() == fp8,
+              "qk_norm_rope: k_scale, v_scale are required for an e4m3 cache and must be absent for bf16");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.numel() == t && slot_mapping.scalar_type() == torch::kLong &&
+              slot_mapping.numel() == t, "qk_norm_rope: positions, slot_mapping must be int64 [T]");
+  TORCH_CHECK(q_norm_weight.numel() == hd && k_norm_weight.numel() == hd && k_norm_weight.scalar_type() == q_norm_weight.scalar_type() &&
+              (q_norm_weight.scalar_type() == torch::kBFloat16 || q_norm_weight.scalar_type() == torch::kFloat),
+              "qk_norm_rope: q_norm_weight, k_norm_weight must be bf16|f32 [hd] of one dtype");
+  TORCH_CHECK(q_out.scalar_type() == torch::kBFloat16 && q_out.dim() == 3 && q_out.size(0) == t && q_out.size(1) == nq &&
+              q_out.size(2) == hd, "qk_norm_rope: q_out must be bf16 [T, nq, hd]");
+  const c10::cuda::CUDAGuard guard(q.device());
+  atlas::QkNormRopeArgs a{};
+  a.q = q.data_ptr(); a.k = k.data_ptr(); a.v = v.data_ptr();
+  a.q_stride_t = q.stride(0); a.q_stride_h = q.stride(1);
+  a.k_stride_t = k.stride(0); a.k_stride_h = k.stride(1);
+  a.v_stride_t = v.stride(0); a.v_stride_h = v.stride(1);
+  a.q_norm_weight = q_norm_weight.data_ptr(); a.k_norm_weight = k_norm_weight.data_ptr();
+  a.weight_f32 = q_norm_weight.scalar_type() == torch::kFloat;
+  a.positions = positions.data_ptr<int64_t>(); a.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  a.q_out = q_out.data_ptr(); a.k_cache = k_cache.data_ptr(); a.v_cache = v_cache.data_ptr();
+  if (fp8) {
+    for (const auto* s : {&*k_scale, &*v_scale}) {
+      CHECK_CUDA_TENSOR(*s); CHECK_CONTIGUOUS(*s);
+      TORCH_CHECK(s->scalar_type() == torch::kFloat && s->numel() == k_cache.size(0) * k_cache.size(1) * nkv,
+                  "qk_norm_rope: k_scale, v_scale must be float32 [num_blocks, bs, nkv]");
+    }
+    a.k_scale = k_scale->data_ptr<float>(); a.v_scale = v_scale->data_ptr<float>();
+  }
+  a.num_slots = k_cache.size(0) * k_cache.size(1);
+  a.num_tokens = static_cast<int>(t); a.nq = static_cast<int>(nq); a.nkv = static_cast<int>(nkv);
+  a.head_dim = static_cast<int>(hd); a.rotary_dim = static_cast<int>(rotary_dim);
+  a.log2_theta = std::log2(rope_theta); a.eps = static_cast<float>(eps);
+  a.zero_centered = zero_centered; a.cache_fp8 = fp8;
+  check_cuda(atlas::launch_qk_norm_rope(a, current_stream(q)), "qk_norm_rope");
+}
+
+void sigmoid_gate_mul(const torch::Tensor& x,      // [T, H, hd] bf16 contiguous
+                      const torch::Tensor& gate,   // [T, H, hd] bf16, strided, inner contiguous
+                      torch::Tensor& out) {        // [T, H, hd] bf16 (out, may alias x)
+  CHECK_CUDA_TENSOR(x); CHECK_CUDA_TENSOR(gate); CHECK_CONTIGUOUS(x); CHECK_CONTIGUOUS(out);
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kBFloat16 && gate.sizes() == x.sizes() &&
+              gate.scalar_type() == torch::kBFloat16 && out.sizes() == x.sizes() && out.scalar_type() == torch::kBFloat16,
+              "sigmoid_gate_mul: x, gate, out must be bf16 [T, H, hd]");
+  TORCH_CHECK(x.size(2) % 8 == 0 && gate.stride(2) == 1 && gate.stride(0) % 8 == 0 && gate.stride(1) % 8 == 0 &&
+              reinterpret_cast<uintptr_t>(gate.data_ptr()) % 16 == 0,
+              "sigmoid_gate_mul: hd % 8 == 0, gate rows contiguous with strides % 8 == 0 and 16-byte aligned");
+  const c10::cuda::CUDAGuard guard(x.device());
+  atlas::SigmoidGateArgs a{};
+  a.x = x.data_ptr(); a.gate = gate.data_ptr(); a.out = out.data_ptr();
+  a.tokens = x.size(0); a.heads = x.size(1); a.head_dim = x.size(2);
+  a.gate_stride_t = gate.stride(0); a.gate_stride_h = gate.stride(1);
+  check_cuda(atlas::launch_sigmoid_gate_mul(a, current_stream(x)), "sigmoid_gate_mul");
+}
+
+
+// -- argmax / moe_route / embedding (MTP work) --
 
 // -- argmax / moe_route / embedding (MTP work) --
 void argmax(const torch::Tensor& logits,     // [R, V] bf16|f32, inner dim contiguous
@@ -277,5 +382,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax", &argmax, "logits [R,V] bf16|f32 -> ids int64 [R] (lowest index wins), top-1 softmax prob f32 [R]");
   m.def("moe_route", &moe_route, "router logits [T,E] -> top-k expert ids int32 [T,k], f32 softmax weights [T,k]");
   m.def("embedding", &embedding, "table [V,h] bf16 rows by device ids [T] -> [T,h] bf16 (bad id -> zero row)");
+  m.def("rms_norm", &rms_norm, "x [R,D] bf16 -> rmsnorm(x) * (w | 1+w) bf16, fp32 math");
+  m.def("qk_norm_rope", &qk_norm_rope,
+        "per-head q/k RMSNorm + partial NeoX RoPE -> q_out; K/V into the paged cache (bf16 | e4m3 + per-row scale)");
+  m.def("sigmoid_gate_mul", &sigmoid_gate_mul, "out = x * sigmoid(gate), bf16 [T,H,hd], gate strided");
   // ---- small fused kernels for layers (norm, rope, gating, argmax, moe; insert defs above this line) ----
 }

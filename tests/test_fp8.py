@@ -1,5 +1,7 @@
 """FP8BlockWeight (Qwen FP8 block-scaled weights): quantize / dequantize against an independent
 block-loop oracle, round-trip precision across magnitudes, validation (CPU); device parity (CUDA)."""
+import zlib
+
 import pytest
 import torch
 
@@ -9,7 +11,8 @@ SHAPES = [(128, 128), (200, 300), (1, 17), (384, 130)]   # whole blocks, ragged 
 
 
 def _gen(*key):
-    return torch.Generator().manual_seed(hash(key) % 2**31)
+    """A generator seeded from the case's parameters (crc32: stable across runs, unlike hash())."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def _oracle_dequant(q: FP8BlockWeight) -> torch.Tensor:

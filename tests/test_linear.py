@@ -1,5 +1,7 @@
 """Linear: dialect detection, load-time conversion rules, and forward in bf16 / fp8 / nvfp4
 against float32 matmuls of the dequantized weight (CPU); the GPU paths (CUDA)."""
+import zlib
+
 import pytest
 import torch
 
@@ -14,7 +16,8 @@ FORMATS = ["bf16", "fp8", "nvfp4"]
 
 
 def _gen(*key):
-    return torch.Generator().manual_seed(hash(key) % 2**31)
+    """A generator seeded from the case's parameters (crc32: stable across runs, unlike hash())."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def module_state_dict(w: torch.Tensor, dialect: str, prefix: str = "m.") -> dict:
