@@ -1,0 +1,122 @@
+"""MtpHead.propose latency at Qwen3.6-35B-A3B (MoE) and Qwen3.5-27B (dense) MTP shapes.
+
+Grid: model × projections (NVFP4, BF16) × LM-head vocab (full 248 320, truncated 32 768) ×
+B ∈ {1, 8, 32} × k ∈ {1, 3}. Each point: B sequences with a 512-token drafter prefill, then the
+whole propose (k batched draft positions) captured as one CUDA graph and replayed; reported as
+µs per draft position next to the floor.
+
+Floor per draft position = (weight bytes the position must read: fc + attention projections +
+FFN (router + the experts B rows hit, at most all; or the dense MLP) + the LM-head prefix, at the
+head's format; the LM head is NVFP4 in the NVFP4 rows, BF16 otherwise) + drafter KV bytes read
+(B · ctx · nkv · hd · 2 · 2) / measured copy bandwidth. 35B-A3B NVFP4 full vocab, B = 1:
+LM head 286 MB + 33 MB of layer weights ≈ 319 MB → ≈ 74 µs at 4.3 TB/s.
+Goals: B = 1, k = 1, NVFP4, full vocab within 1.25× of the floor; B = 32 within 2× of B = 1.
+
+Usage: python bench/bench_mtp.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import atlas  # noqa: E402
+from atlas.layers.mtp import MtpHead, random_state_dict  # noqa: E402
+from common import copy_bandwidth_gbs, floor_us, require_cuda, time_events, write_results  # noqa: E402
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures")
+MODELS = {"35b-a3b": "qwen3_6_35b_a3b.json", "27b": "qwen3_5_27b.json"}
+CONTEXT = 512          # drafter prefill per sequence before proposing
+TRUNCATED_VOCAB = 32768
+
+
+def build(model: str, weight_format: str, max_seqs: int) -> MtpHead:
+    cfg = atlas.ModelConfig.from_hf(os.path.join(FIXTURES, MODELS[model]))
+    dev = torch.device("cuda")
+    sd = random_state_dict(cfg, seed=0, device=dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, device=dev).to(torch.bfloat16)
+    lm_head = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, device=dev)
+               * cfg.hidden_size ** -0.5).to(torch.bfloat16)
+    if weight_format == "nvfp4":
+        lm_head = atlas.quantize_nvfp4(lm_head)
+    head = MtpHead.from_state_dict(cfg, sd, embed, lm_head, weight_format, torch.bfloat16,
+                                   max_seq_len=CONTEXT + 64, max_seqs=max_seqs, device=dev)
+    del sd
+    return head
+
+
+def with_vocab(head: MtpHead, vocab: int) -> MtpHead:
+    """The same head (shared weights and drafter KV) drafting over the first `vocab` ids."""
+    h = copy.copy(head)
+    h.vocab, h._graphs, h._pending = vocab, {}, {}
+    return h
+
+
+def measure(head: MtpHead, b: int, k: int, iters: int) -> tuple[float, float]:
+    """(µs per draft position, floor µs per draft position)."""
+    dev = head.device
+    cfg = head.cfg
+    g = torch.Generator(device=dev).manual_seed(b * 100 + k)
+    seqs = [("bench", i) for i in range(b)]
+    for s in seqs:
+        if s in head.cache:
+            head.cache.free(s)
+        head._pending.pop(s, None)
+        tokens = torch.randint(0, cfg.vocab_size, (CONTEXT,), generator=g, device=dev)
+        hidden = torch.randn(CONTEXT, cfg.hidden_size, generator=g, device=dev).to(torch.bfloat16)
+        head.prefill(s, tokens, hidden)
+    last = torch.randint(0, cfg.vocab_size, (b,), generator=g, device=dev)
+    hid = torch.randn(b, cfg.hidden_size, generator=g, device=dev).to(torch.bfloat16)
+    head.propose(seqs, last, hid, k)                       # captures the (B, k) graph
+    graph = head._graphs[(b, k)]
+    us = time_events(graph.replay, warmup=5, iters=iters) / k
+    for s in seqs:
+        head.free(s)
+    kv = b * (CONTEXT + k) * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
+    return us, floor_us(head.weight_nbytes(b) + kv)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="35B-A3B NVFP4 full vocab, B ∈ {1, 32}, k = 1 only")
+    args = ap.parse_args()
+    require_cuda("bench_mtp")
+    bw = copy_bandwidth_gbs()
+    models = ["35b-a3b"] if args.quick else list(MODELS)
+    formats = ["nvfp4"] if args.quick else ["nvfp4", "bf16"]
+    batches = [1, 32] if args.quick else [1, 8, 32]
+    drafts = [1] if args.quick else [1, 3]
+    vocabs = [0] if args.quick else [0, TRUNCATED_VOCAB]
+    rows = []
+    for model in models:
+        for fmt in formats:
+            base = build(model, fmt, max(batches))
+            for vocab in vocabs:
+                head = base if vocab == 0 else with_vocab(base, vocab)
+                b1 = {}
+                for k in drafts:
+                    for b in batches:
+                        us, fl = measure(head, b, k, iters=10 if args.quick else 20)
+                        b1.setdefault(k, us) if b == 1 else None
+                        rows.append(dict(model=model, weights=fmt, vocab=head.vocab, B=b, k=k,
+                                         us_per_draft=us, floor_us=fl, x_floor=us / fl,
+                                         GBps=fl * bw / us, x_B1=us / b1[k] if k in b1 else float("nan")))
+            del base, head
+            torch.cuda.empty_cache()
+    write_results("bench_mtp", rows, meta=dict(context=CONTEXT, note="graph-replayed propose; µs per draft position"),
+                  columns=["model", "weights", "vocab", "B", "k", "us_per_draft", "floor_us", "x_floor", "GBps", "x_B1"])
+    goal = [r for r in rows if r["model"] == "35b-a3b" and r["weights"] == "nvfp4" and r["vocab"] == 248320
+            and r["B"] == 1 and r["k"] == 1]
+    if goal:
+        print(f"goal B=1 k=1 NVFP4 full vocab: {goal[0]['x_floor']:.2f}x floor (target <= 1.25x)")
+
+
+if __name__ == "__main__":
+    main()
