@@ -211,22 +211,6 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;                        // mma fragment coordinates
 
-  // -- stage Q: rows [row0, row0 + rows) of (token j, head g) pairs, zero rows to kRows --------
-  {
-    const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.query);
-    const float q_mult = FP8 ? kFp8QPreScale : 1.f;
-    for (int i = tid; i < kRows * HD; i += kThreads) {
-      const int r = i / HD, c = i % HD;
-      float v = 0.f;
-      if (r < rows) {
-        const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
-        const int src = FP8 ? fp8_k_slot_column(c) : c;
-        v = __bfloat162float(q[b * a.q_stride_b + j * a.q_stride_t + (int64_t)h * HD + src]) * q_mult;
-      }
-      q_smem[r * Tr::kQStride + c] = __float2bfloat16_rn(v);   // exact (power-of-two scaling)
-    }
-  }
-
   // Newest visible position of each of this thread's rows (rows ≥ `rows` are padding).
   int last_pos[M_TILES][2];
 #pragma unroll
@@ -296,6 +280,26 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < n_tiles) load_tile(s, s);
     cp_async_commit();                          // empty groups keep the wait counts uniform
+  }
+
+  // -- stage Q (while the first tiles are in flight): rows [row0, row0 + rows) of (token j,
+  //    head g) pairs, zero rows up to kRows; visible to all warps after the first barrier --
+  {
+    const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.query);
+    const float q_mult = FP8 ? kFp8QPreScale : 1.f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const __nv_bfloat16* src = nullptr;
+      if (r < rows) {
+        const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+        src = q + b * a.q_stride_b + j * a.q_stride_t + (int64_t)h * HD;
+      }
+#pragma unroll
+      for (int c = tid; c < HD; c += kThreads) {
+        const float v = src != nullptr ? __bfloat162float(src[FP8 ? fp8_k_slot_column(c) : c]) * q_mult : 0.f;
+        q_smem[r * Tr::kQStride + c] = __float2bfloat16_rn(v);   // exact (power-of-two scaling)
+      }
+    }
   }
 
   for (int tile = 0; tile < n_tiles; ++tile) {
@@ -484,50 +488,87 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
 }
 
 // ---- split combine --------------------------------------------------------------------------
-// Grid (nkv · rows_total, B), kCombineThreads threads: one CTA per (sequence, kv head, row).
-// Warp 0 turns the splits' λ_s into weights 2^(λ_s − max λ) in smem; then each thread sums
-// columns c = tid, tid + kCombineThreads, ... over the splits (coalesced across the CTA).
-constexpr int kCombineThreads = 64;
+// Grid (nkv · rows_total, B), 8 warps: one CTA per (sequence, kv head, row). Warp 0 turns the
+// splits' λ_s into weights 2^(λ_s − max λ) in smem; then warp w sums splits w, w + 8, ... with
+// lane l owning columns [l·hd/32, (l+1)·hd/32) (16/32-byte vector loads, 4 splits unrolled:
+// many loads in flight, since at B = 1 only nkv · group CTAs exist); smem adds the 8 warps.
+// A first version (64 threads, one column each, splits in a serial loop) had ~1 load in flight
+// per thread: ~128 dependent L2 round trips at 128 splits, longer than the attention itself.
+constexpr int kCombineWarps = 8;
 
-__global__ void __launch_bounds__(kCombineThreads)
+template <int N>
+__device__ __forceinline__ void load_f32(const float* p, float (&v)[N]) {  // p 8·N-byte aligned
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 x = *reinterpret_cast<const float4*>(p + i);
+      v[i] = x.x; v[i + 1] = x.y; v[i + 2] = x.z; v[i + 3] = x.w;
+    }
+  } else {
+    const float2 x = *reinterpret_cast<const float2*>(p);
+    v[0] = x.x; v[1] = x.y;
+  }
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kCombineWarps * 32)
 paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
+  constexpr int kCols = HD / 32;                // columns per lane: 2, 4, 8
   const PagedDecodeArgs& a = pb.a;
   const int gr = blockIdx.x % pb.rows_total, kvh = blockIdx.x / pb.rows_total, b = blockIdx.y;
   const int seq_len = min(max(a.seq_lens[b], 0), a.max_blocks * a.block_size);
   const int count = paged_decode_split(seq_len).count;
   if (count <= 1) return;                       // written by the attention kernel
 
-  __shared__ float weight[kPagedDecodeMaxSplits];
+  __shared__ float weight[kPagedDecodeMaxSplits];     // 2^(λ_s − max λ)
+  __shared__ __align__(16) float partial[kCombineWarps][HD];
   __shared__ float total_s, max_s;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t prow0 = ((int64_t)b * a.num_kv_heads + kvh) * a.max_splits * pb.rows_total + gr;
   const int64_t split_stride = pb.rows_total;   // partial rows between consecutive splits
-  if (threadIdx.x < 32) {
+  if (warp == 0) {
     float mx = -INFINITY;
-    for (int s = threadIdx.x; s < count; s += 32) mx = fmaxf(mx, a.partial_lse[prow0 + s * split_stride]);
+    for (int s = lane; s < count; s += 32) mx = fmaxf(mx, a.partial_lse[prow0 + s * split_stride]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float sum = 0.f;
-    for (int s = threadIdx.x; s < count; s += 32) {
+    for (int s = lane; s < count; s += 32) {
       const float w = mx == -INFINITY ? 0.f : exp2_approx(a.partial_lse[prow0 + s * split_stride] - mx);
       weight[s] = w;
       sum += w;
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (threadIdx.x == 0) { total_s = sum; max_s = mx; }
+    if (lane == 0) { total_s = sum; max_s = mx; }
   }
-  __syncthreads();
+  __syncthreads();                              // (weights) weight[], total_s, max_s ready
+
+  float acc[kCols];
+#pragma unroll
+  for (int i = 0; i < kCols; ++i) acc[i] = 0.f;
+  const float* po = a.partial_o + prow0 * HD + lane * kCols;
+#pragma unroll 4
+  for (int s = warp; s < count; s += kCombineWarps) {
+    float v[kCols];
+    load_f32(po + s * split_stride * HD, v);
+    const float w = weight[s];
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) acc[i] += w * v[i];
+  }
+#pragma unroll
+  for (int i = 0; i < kCols; ++i) partial[warp][lane * kCols + i] = acc[i];
+  __syncthreads();                              // (warp sums) partial[][] complete
+
   const float total = total_s;
   const float inv = total > 0.f ? 1.f / total : 0.f;
-  const int hd = a.head_dim;
   const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
   const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
-  const float* po = a.partial_o + prow0 * hd;
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * hd;
-  for (int c = threadIdx.x; c < hd; c += kCombineThreads) {
-    float acc = 0.f;
-    for (int s = 0; s < count; ++s) acc += weight[s] * po[s * split_stride * hd + c];
-    out[c] = __float2bfloat16_rn(acc * inv);
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * HD;
+  for (int c = threadIdx.x; c < HD; c += kCombineWarps * 32) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; ++w) sum += partial[w][c];
+    out[c] = __float2bfloat16_rn(sum * inv);
   }
   if (a.lse != nullptr && threadIdx.x == 0)
     a.lse[orow] = total > 0.f ? (max_s + __log2f(total)) * kLn2 : -INFINITY;
@@ -622,7 +663,11 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
   ATLAS_RETURN_IF_ERROR(err);
   if (a.max_splits > 1) {
     const dim3 grid(a.num_kv_heads * pb.rows_total, a.batch);
-    paged_decode_combine_kernel<<<grid, kCombineThreads, 0, stream>>>(pb);
+    switch (a.head_dim) {
+      case 64: paged_decode_combine_kernel<64><<<grid, kCombineWarps * 32, 0, stream>>>(pb); break;
+      case 128: paged_decode_combine_kernel<128><<<grid, kCombineWarps * 32, 0, stream>>>(pb); break;
+      default: paged_decode_combine_kernel<256><<<grid, kCombineWarps * 32, 0, stream>>>(pb); break;
+    }
     ATLAS_RETURN_IF_ERROR(cudaGetLastError());
   }
   return cudaSuccess;
