@@ -277,7 +277,6 @@ def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (x.float() * torch.sigmoid(gate.float())).to(torch.bfloat16)
 
 
-
 # ---- argmax / moe_route / embedding (MTP work) ---------------------------------------------
 
 

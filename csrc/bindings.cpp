@@ -239,7 +239,8 @@ void qk_norm_rope(const torch::Tensor& q,               // [T, nq, hd] bf16, str
                   const std::optional<torch::Tensor>& v_scale,
                   torch::Tensor& q_out,                 // [T, nq, hd] bf16 (out)
                   double eps, bool zero_centered, int64_t rotary_dim, double rope_theta) {
-  for (const auto* t : {&q, &k, &v, &q_norm_weight, &k_norm_weight, &positions, &k_cache, &v_cache, &slot_mapping, &q_out})
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{
+           &q, &k, &v, &q_norm_weight, &k_norm_weight, &positions, &k_cache, &v_cache, &slot_mapping, &q_out})
     CHECK_CUDA_TENSOR(*t);
   CHECK_CONTIGUOUS(k_cache); CHECK_CONTIGUOUS(v_cache); CHECK_CONTIGUOUS(q_out); CHECK_CONTIGUOUS(positions);
   CHECK_CONTIGUOUS(slot_mapping); CHECK_CONTIGUOUS(q_norm_weight); CHECK_CONTIGUOUS(k_norm_weight);
