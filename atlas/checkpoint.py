@@ -610,8 +610,12 @@ def load_mtp_head(path, *, weight_format: str, kv_dtype=torch.bfloat16, max_seq_
         raise CheckpointError(f"load_mtp_head: {ckpt.path}/config.json declares no MTP layer "
                               "(mtp_num_hidden_layers / num_nextn_predict_layers)")
     sd = ckpt.load("mtp.", device=device, progress=progress)
-    embed = ckpt.embedding(device)
+    embed = ckpt.embedding(device).to(torch.bfloat16)
     lm_head = ckpt.lm_head(device)
+    if not isinstance(lm_head, Tensor) and type(lm_head).__name__ != "NVFP4Weight":
+        lm_head = lm_head.dequantize(torch.bfloat16)      # an FP8 LM head runs as BF16 (MtpHead takes bf16 | NVFP4)
+    elif isinstance(lm_head, Tensor):
+        lm_head = lm_head.to(torch.bfloat16)
     return MtpHead.from_state_dict(ckpt.model_config, sd, embed, lm_head, weight_format, kv_dtype, max_seq_len,
                                    max_seqs, mtp_vocab_size=mtp_vocab_size, device=device)
 

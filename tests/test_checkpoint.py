@@ -371,3 +371,54 @@ def test_missing_files_and_prefixes(tmp_path):
         open_checkpoint(empty)
     with pytest.raises(CheckpointError, match="not a directory"):
         Checkpoint(tmp_path / "nowhere")
+
+
+# =============================================================================================
+# Layers from a checkpoint directory (MtpHead / Qwen3AttentionLayer .from_pretrained)
+# =============================================================================================
+
+
+def _import_or_skip(module):
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError as e:
+        pytest.skip(f"{module} not importable yet: {e}")
+
+
+@pytest.mark.parametrize("dialect, layout, weight_format", [
+    ("bf16", "vl", "bf16"), ("modelopt_nvfp4", "qwen3_next", "nvfp4"),
+    ("compressed_tensors_nvfp4", "vl", "nvfp4"), ("fp8", "qwen3_next", "fp8")])
+def test_load_mtp_head_proposes(tmp_path, dialect, layout, weight_format):
+    mtp_mod = _import_or_skip("atlas.layers.mtp")
+    d = _write(tmp_path, dialect, layout=layout, quantize_lm_head=dialect in NVFP4_DIALECTS, mtp_fc_bf16=True)
+    head = mtp_mod.MtpHead.from_pretrained(d, weight_format=weight_format, max_seq_len=64, max_seqs=2,
+                                           device="cpu")
+    assert isinstance(head, mtp_mod.MtpHead)
+    g = torch.Generator().manual_seed(3)
+    head.prefill(0, torch.randint(0, 1000, (9,), generator=g), torch.randn(9, 256, generator=g).bfloat16())
+    drafts, conf = head.propose([0], torch.tensor([5]), torch.randn(1, 256, generator=g).bfloat16(), 2)
+    assert drafts.shape == (1, 2) and bool(((drafts >= 0) & (drafts < 1000)).all())
+    assert bool(((conf > 0) & (conf <= 1)).all())
+
+
+def test_load_mtp_head_rejects_malformed_before_building(tmp_path):
+    _import_or_skip("atlas.layers.mtp")
+    from atlas.checkpoint import load_mtp_head
+    d = _write(tmp_path, "modelopt_nvfp4")
+    _rewrite(d, lambda t: t.update({Q + ".weight_scale_2": torch.tensor(float("nan"))}))
+    with pytest.raises(CheckpointError, match="weight_scale_2"):
+        load_mtp_head(d, weight_format="nvfp4", max_seq_len=64, max_seqs=1, device="cpu")
+
+
+@pytest.mark.parametrize("dialect", T.DIALECTS)
+def test_load_attention_layer(tmp_path, dialect):
+    attn_mod = _import_or_skip("atlas.layers.attention")
+    from atlas.checkpoint import load_attention_layer
+    d = _write(tmp_path, dialect, layout="vl", layers=[3])
+    layer = load_attention_layer(d, 3, weight_format="bf16", device="cpu")
+    assert isinstance(layer, attn_mod.Qwen3AttentionLayer)
+    sd = load_state_dict(d, "model.layers.3.self_attn.")
+    want = dequantized_weight(sd, "model.layers.3.self_attn.o_proj.").to(torch.bfloat16)
+    assert torch.equal(layer.o_proj.dense(torch.bfloat16), want)
+    with pytest.raises(CheckpointError, match="layer_idx 2 is not a full-attention layer"):
+        load_attention_layer(d, 2, weight_format="bf16", device="cpu")

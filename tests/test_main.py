@@ -1,6 +1,6 @@
 """`python -m atlas` commands: info and check run (CPU here: reference path), draft-bench runs a
 tiny config end to end on CPU, and the floor's byte model matches a hand count."""
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -37,7 +37,15 @@ def test_check_runs():
         assert "no GPU kernels to check" in r.stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("atlas.layers.mtp") is None, reason="atlas.layers.mtp not written yet")
+def _mtp_importable() -> bool:
+    try:
+        importlib.import_module("atlas.layers.mtp")
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _mtp_importable(), reason="atlas.layers.mtp not importable yet")
 def test_draft_bench_tiny_on_cpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("on a GPU draft-bench writes a real-shaped checkpoint; run it as a bench")

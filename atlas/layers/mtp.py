@@ -177,6 +177,16 @@ class MtpHead:
                    norm=norm_w("norm"), cache=cache, mtp_vocab_size=mtp_vocab_size, max_seq_len=max_seq_len,
                    max_seqs=max_seqs)
 
+    @classmethod
+    def from_pretrained(cls, path, *, weight_format: str, kv_dtype: torch.dtype = torch.bfloat16,
+                        max_seq_len: int, max_seqs: int, mtp_vocab_size: int = 0, device="cuda") -> "MtpHead":
+        """Load from a checkpoint directory (config.json + safetensors, any dialect and key
+        layout): the `mtp.` tensors plus the target's embedding and LM head, validated before
+        anything is built. See atlas.checkpoint.load_mtp_head (raises CheckpointError)."""
+        from atlas.checkpoint import load_mtp_head
+        return load_mtp_head(path, weight_format=weight_format, kv_dtype=kv_dtype, max_seq_len=max_seq_len,
+                             max_seqs=max_seqs, mtp_vocab_size=mtp_vocab_size, device=device)
+
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.device
