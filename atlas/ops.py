@@ -71,6 +71,241 @@ def _(w):
 # w4a16_gemv family (GEMV work: insert below)
 # =============================================================================================
 
+GEMV_MAX_M = 32  # w4a16_gemv serves 1..32 rows of x (four mma n8 tiles); more rows take a GEMM
+
+
+def _check_gemv_weight(op: str, name: str, q) -> tuple[int, int]:
+    from atlas.nvfp4 import NVFP4Weight  # atlas.nvfp4 imports this module
+    if not isinstance(q, NVFP4Weight):
+        raise TypeError(f"{op}: {name} must be an atlas.NVFP4Weight, got {type(q).__name__}")
+    return q.shape
+
+
+def _check_gemv_x(op: str, name: str, x, k: int, device) -> int:
+    """x bf16 [M, K] with 1 ≤ M ≤ 32, K % 16 == 0 and K equal to the weight's; returns M."""
+    check_tensor(op, name, x, dtype=torch.bfloat16, ndim=2, what="bf16 [M, K]")
+    m, kx = x.shape
+    if kx % 16 != 0:
+        raise ValueError(f"{op}: {name} must have K % 16 == 0, got shape {list(x.shape)}")
+    if not 1 <= m <= GEMV_MAX_M:
+        raise ValueError(f"{op}: {name} must have 1 ≤ M ≤ {GEMV_MAX_M} rows, got shape {list(x.shape)}")
+    if kx != k:
+        raise ValueError(f"{op}: {name} must have K = {k} columns like the weight, got shape {list(x.shape)}")
+    check_tensor(op, name, x, device=device)
+    return m
+
+
+def _gemv_ready(t: Tensor) -> Tensor:
+    """A contiguous tensor whose data starts 16-byte aligned (a fresh copy otherwise)."""
+    if t.is_contiguous() and (t.storage_offset() * t.element_size()) % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def w4a16_gemv(x: Tensor, q, *, out_dtype: torch.dtype = torch.bfloat16, n_rows: Optional[int] = None,
+               out: Optional[Tensor] = None) -> Tensor:
+    """y = x · Wᵀ for an NVFP4 weight W: the decode / verify GEMV (the weight is read once for
+    all M rows; each row's result is bitwise the same whatever M it runs in).
+
+    Args:
+        x: [M, K] bf16, 1 ≤ M ≤ 32, K % 16 == 0 (a non-contiguous or misaligned x is copied).
+        q: atlas.NVFP4Weight [N, K] (checkpoint layout, never padded; any N, odd included).
+        out_dtype: bf16 (default) or torch.float32 (e.g. logits for sampling).
+        n_rows: compute only the first n_rows weight rows (1 ≤ n_rows ≤ N; a truncated-vocab LM
+            head, no copy). None means N.
+        out: optional [M, n_rows] buffer of out_dtype, contiguous, on x's device, written in place.
+    Returns:
+        y [M, n_rows] of out_dtype (`out` when given): float32 accumulation, one rounding.
+    Raises:
+        TypeError: x not bf16, q not an NVFP4Weight, out_dtype/out dtype not bf16|float32.
+        ValueError: x not [M, K] with 1 ≤ M ≤ 32 and K % 16 == 0 and K equal to q's, devices
+            differ, n_rows out of range, out of the wrong shape / layout.
+    Example:
+        >>> q = atlas.quantize_nvfp4(torch.randn(48, 64))
+        >>> w4a16_gemv(torch.randn(3, 64).bfloat16(), q).shape
+        torch.Size([3, 48])
+    """
+    op = "w4a16_gemv"
+    n, k = _check_gemv_weight(op, "q", q)
+    m = _check_gemv_x(op, "x", x, k, q.device)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"{op}: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    if n_rows is None:
+        n_rows = n
+    if isinstance(n_rows, bool) or not isinstance(n_rows, int) or not 1 <= n_rows <= n:
+        raise ValueError(f"{op}: n_rows must be an int in [1, {n}] (rows of q), got {n_rows!r}")
+    if out is not None:
+        check_tensor(op, "out", out, dtype=out_dtype, shape=(m, n_rows), device=x.device, contiguous=True,
+                     what=f"{str(out_dtype).replace('torch.', '')} [M, n_rows] = [{m}, {n_rows}]")
+    if use_kernel(x, q.packed):
+        if out is None:
+            return torch.ops.atlas.w4a16_gemv(x, q.packed, q.block_scale, q.global_scale, out_dtype, n_rows, 0)
+        torch.ops.atlas.w4a16_gemv_out(x, q.packed, q.block_scale, q.global_scale, out)
+        return out
+    y = reference.w4a16_gemv(x, q.packed[:n_rows], q.block_scale[:n_rows], q.global_scale, out_dtype)
+    return y if out is None else out.copy_(y)
+
+
+def w4a16_gemv_qg(x: Tensor, q, num_heads: int, head_dim: int) -> Tensor:
+    """Gated-attention q_proj: y = x · Wᵀ with the per-head [q | gate] rows de-interleaved on the
+    store (no extra pass).
+
+    Args:
+        x: [M, K] bf16, 1 ≤ M ≤ 32, K % 16 == 0.
+        q: NVFP4Weight [N, K], N = 2·num_heads·head_dim, rows per head [q (hd) | gate (hd)]
+            (the HF checkpoint order of Qwen3-Next / 3.5 / 3.6 q_proj).
+        num_heads, head_dim: nq and hd.
+    Returns:
+        [M, 2·nq·hd] bf16 = [Q of all heads (nq·hd) | G of all heads (nq·hd)], each head's block
+        contiguous (head h of Q at columns h·hd .. h·hd + hd).
+    Raises:
+        TypeError / ValueError as w4a16_gemv; ValueError if N != 2·num_heads·head_dim.
+    Example:
+        >>> q = atlas.quantize_nvfp4(torch.randn(2 * 2 * 16, 64))
+        >>> w4a16_gemv_qg(torch.randn(1, 64).bfloat16(), q, 2, 16).shape
+        torch.Size([1, 64])
+    """
+    op = "w4a16_gemv_qg"
+    n, k = _check_gemv_weight(op, "q", q)
+    _check_gemv_x(op, "x", x, k, q.device)
+    for name, v in (("num_heads", num_heads), ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{op}: {name} must be a positive int, got {v!r}")
+    if n != 2 * num_heads * head_dim:
+        raise ValueError(f"{op}: q must have N = 2·num_heads·head_dim = {2 * num_heads * head_dim} rows, "
+                         f"got N = {n}")
+    if use_kernel(x, q.packed):
+        return torch.ops.atlas.w4a16_gemv(x, q.packed, q.block_scale, q.global_scale, torch.bfloat16, n,
+                                          head_dim)
+    y = reference.w4a16_gemv(x, q.packed, q.block_scale, q.global_scale, torch.bfloat16)
+    return reference.qg_deinterleave(y, num_heads, head_dim)
+
+
+def w4a16_gemv_dual(x: Tensor, q1, q2) -> tuple[Tensor, Tensor]:
+    """Two weights sharing one input in one launch (k_proj and v_proj; gate and up): each
+    output is bitwise equal to its own w4a16_gemv(x, q_i).
+
+    Args:
+        x: [M, K] bf16, 1 ≤ M ≤ 32, K % 16 == 0.
+        q1, q2: NVFP4Weight [N1, K] and [N2, K] (N may differ; each has its own global scale).
+    Returns:
+        (y1 [M, N1], y2 [M, N2]) bf16.
+    Raises:
+        TypeError / ValueError as w4a16_gemv (naming q1 / q2).
+    Example:
+        >>> q1, q2 = atlas.quantize_nvfp4(torch.randn(16, 64)), atlas.quantize_nvfp4(torch.randn(32, 64))
+        >>> [t.shape[1] for t in w4a16_gemv_dual(torch.randn(2, 64).bfloat16(), q1, q2)]
+        [16, 32]
+    """
+    op = "w4a16_gemv_dual"
+    n1, k = _check_gemv_weight(op, "q1", q1)
+    n2, k2 = _check_gemv_weight(op, "q2", q2)
+    if k2 != k:
+        raise ValueError(f"{op}: q2 must have K = {k} columns like q1, got shape [{n2}, {k2}]")
+    if q2.device != q1.device:
+        raise ValueError(f"{op}: q2 is on {q2.device} but q1 is on {q1.device}")
+    _check_gemv_x(op, "x", x, k, q1.device)
+    if use_kernel(x, q1.packed, q2.packed):
+        return torch.ops.atlas.w4a16_gemv_dual(x, q1.packed, q1.block_scale, q1.global_scale,
+                                               q2.packed, q2.block_scale, q2.global_scale)
+    return (reference.w4a16_gemv(x, q1.packed, q1.block_scale, q1.global_scale),
+            reference.w4a16_gemv(x, q2.packed, q2.block_scale, q2.global_scale))
+
+
+def w4a16_gemv_silu(gate: Tensor, up: Tensor, q) -> Tensor:
+    """Down projection with the SwiGLU activation computed as it is loaded:
+    y = bf16(silu(gate) · up) · Wᵀ, bitwise equal to w4a16_gemv(reference.silu_mul(gate, up), q).
+
+    Rounding: silu(g) = g / (1 + exp(−g)) and the product with up in float32 (IEEE division,
+    accurate exp), rounded once to bf16 before the dot product, exactly like the unfused
+    composition (reference.silu_mul). No other rounding differs from w4a16_gemv.
+    Args:
+        gate, up: [M, K] bf16 each (same shape), 1 ≤ M ≤ 32, K % 16 == 0.
+        q: NVFP4Weight [N, K].
+    Returns:
+        [M, N] bf16.
+    Raises:
+        TypeError / ValueError as w4a16_gemv (naming gate / up).
+    Example:
+        >>> q = atlas.quantize_nvfp4(torch.randn(8, 32))
+        >>> g, u = torch.randn(2, 32).bfloat16(), torch.randn(2, 32).bfloat16()
+        >>> w4a16_gemv_silu(g, u, q).shape
+        torch.Size([2, 8])
+    """
+    op = "w4a16_gemv_silu"
+    n, k = _check_gemv_weight(op, "q", q)
+    m = _check_gemv_x(op, "gate", gate, k, q.device)
+    _check_gemv_x(op, "up", up, k, q.device)
+    if up.shape[0] != m:
+        raise ValueError(f"{op}: up must have the shape of gate {list(gate.shape)}, got {list(up.shape)}")
+    if use_kernel(gate, up, q.packed):
+        return torch.ops.atlas.w4a16_gemv_silu(gate, up, q.packed, q.block_scale, q.global_scale)
+    return reference.w4a16_gemv(reference.silu_mul(gate, up), q.packed, q.block_scale, q.global_scale)
+
+
+def _gemv_weight_ready(packed: Tensor) -> Tensor:
+    # NVFP4Weight rows start 8-byte aligned (K/2 is a multiple of 8); anything else is copied.
+    return packed if packed.storage_offset() % 8 == 0 else packed.clone()
+
+
+@torch.library.custom_op("atlas::w4a16_gemv", mutates_args=())
+def _w4a16_gemv_kernel(x: Tensor, packed: Tensor, block_scale: Tensor, global_scale: Tensor,
+                       out_dtype: torch.dtype, n_rows: int, qg_head_dim: int) -> Tensor:
+    out = torch.empty(x.shape[0], n_rows, dtype=out_dtype, device=x.device)
+    _C.w4a16_gemv(_gemv_ready(x), None, _gemv_weight_ready(packed), block_scale, global_scale, out,
+                  n_rows, qg_head_dim)
+    return out
+
+
+@_w4a16_gemv_kernel.register_fake
+def _(x, packed, block_scale, global_scale, out_dtype, n_rows, qg_head_dim):
+    return x.new_empty(x.shape[0], n_rows, dtype=out_dtype)
+
+
+@torch.library.custom_op("atlas::w4a16_gemv_out", mutates_args=("out",))
+def _w4a16_gemv_out_kernel(x: Tensor, packed: Tensor, block_scale: Tensor, global_scale: Tensor,
+                           out: Tensor) -> None:
+    _C.w4a16_gemv(_gemv_ready(x), None, _gemv_weight_ready(packed), block_scale, global_scale, out,
+                  out.shape[1], 0)
+
+
+@_w4a16_gemv_out_kernel.register_fake
+def _(x, packed, block_scale, global_scale, out):
+    return None
+
+
+@torch.library.custom_op("atlas::w4a16_gemv_dual", mutates_args=())
+def _w4a16_gemv_dual_kernel(x: Tensor, packed1: Tensor, block_scale1: Tensor, global_scale1: Tensor,
+                            packed2: Tensor, block_scale2: Tensor,
+                            global_scale2: Tensor) -> tuple[Tensor, Tensor]:
+    m = x.shape[0]
+    y1 = torch.empty(m, packed1.shape[0], dtype=torch.bfloat16, device=x.device)
+    y2 = torch.empty(m, packed2.shape[0], dtype=torch.bfloat16, device=x.device)
+    _C.w4a16_gemv_dual(_gemv_ready(x), _gemv_weight_ready(packed1), block_scale1, global_scale1, y1,
+                       _gemv_weight_ready(packed2), block_scale2, global_scale2, y2)
+    return y1, y2
+
+
+@_w4a16_gemv_dual_kernel.register_fake
+def _(x, packed1, block_scale1, global_scale1, packed2, block_scale2, global_scale2):
+    m = x.shape[0]
+    return x.new_empty(m, packed1.shape[0]), x.new_empty(m, packed2.shape[0])
+
+
+@torch.library.custom_op("atlas::w4a16_gemv_silu", mutates_args=())
+def _w4a16_gemv_silu_kernel(gate: Tensor, up: Tensor, packed: Tensor, block_scale: Tensor,
+                            global_scale: Tensor) -> Tensor:
+    out = torch.empty(gate.shape[0], packed.shape[0], dtype=torch.bfloat16, device=gate.device)
+    _C.w4a16_gemv(_gemv_ready(gate), _gemv_ready(up), _gemv_weight_ready(packed), block_scale,
+                  global_scale, out, packed.shape[0], 0)
+    return out
+
+
+@_w4a16_gemv_silu_kernel.register_fake
+def _(gate, up, packed, block_scale, global_scale):
+    return gate.new_empty(gate.shape[0], packed.shape[0])
+
+
 
 # =============================================================================================
 # reshape_and_cache (paged KV work: insert below)

@@ -92,6 +92,30 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_sca
 # w4a16_gemv family (GEMV work: insert below)
 # =============================================================================================
 
+def w4a16_gemv(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
+               global_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y = x · Wᵀ with W the NVFP4 weight (packed uint8 [N, K/2], block_scale e4m3 [N, K/16],
+    global_scale f32 []): x [M, K] bf16 → y [M, N] of out_dtype (bf16 | float32).
+
+    float32 math (x.float() @ dequantize(...).T), rounded once to out_dtype."""
+    w = dequantize_nvfp4(packed, block_scale, global_scale, torch.float32)   # [N, K]
+    return (x.float() @ w.T).to(out_dtype)
+
+
+def qg_deinterleave(y: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """[M, nq·2hd] with per-head [q (hd) | gate (hd)] columns → [M, Q all heads | G all heads]."""
+    m = y.shape[0]
+    per_head = y.reshape(m, num_heads, 2, head_dim)
+    return torch.cat([per_head[:, :, 0].reshape(m, -1), per_head[:, :, 1].reshape(m, -1)], dim=1)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """bf16(silu(gate) · up): silu(g) = g / (1 + exp(−g)) and the product in float32, one
+    rounding to bf16 (the activation w4a16_gemv_silu fuses; same formula as F.silu)."""
+    g = gate.float()
+    return (g / (1.0 + torch.exp(-g)) * up.float()).to(torch.bfloat16)
+
+
 
 # =============================================================================================
 # reshape_and_cache (paged KV work: insert below)

@@ -15,6 +15,7 @@
 #include "argmax.h"
 #include "embedding.h"
 #include "moe_route.h"
+#include "w4a16_gemv.h"
 #include "qk_norm_rope.h"
 #include "rms_norm.h"
 #include "sigmoid_gate.h"
@@ -59,6 +60,92 @@ void quantize_nvfp4(const torch::Tensor& w,            // [N, K] bf16|f16|f32
 }
 
 // ---- w4a16_gemv bindings (GEMV family) -----------------------------------------------------
+// One NVFP4 weight (checkpoint layout) + its output → launcher struct; checks are a second net.
+atlas::W4A16GemvWeight gemv_weight(const torch::Tensor& packed,        // [≥ n, K/2] uint8
+                                   const torch::Tensor& block_scale,   // [≥ n, K/16] e4m3
+                                   const torch::Tensor& global_scale,  // [] f32
+                                   torch::Tensor& out,                 // [M, n] bf16|f32 (out)
+                                   int64_t n, int64_t qg_head_dim, int64_t k, const torch::Tensor& x) {
+  CHECK_CUDA_TENSOR(packed); CHECK_CUDA_TENSOR(block_scale); CHECK_CUDA_TENSOR(global_scale);
+  CHECK_CUDA_TENSOR(out); CHECK_CONTIGUOUS(packed); CHECK_CONTIGUOUS(block_scale); CHECK_CONTIGUOUS(out);
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.size(1) * 2 == k,
+              "w4a16_gemv: packed must be uint8 [N, K/2] with K = ", k);
+  TORCH_CHECK(block_scale.scalar_type() == at::ScalarType::Float8_e4m3fn && block_scale.dim() == 2 &&
+              block_scale.size(0) == packed.size(0) && block_scale.size(1) * 16 == k,
+              "w4a16_gemv: block_scale must be e4m3 [N, K/16]");
+  TORCH_CHECK(global_scale.scalar_type() == torch::kFloat && global_scale.numel() == 1,
+              "w4a16_gemv: global_scale must be a float32 scalar");
+  TORCH_CHECK(n >= 1 && n <= packed.size(0), "w4a16_gemv: n_rows must be in [1, N]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n &&
+              (out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kFloat),
+              "w4a16_gemv: out must be bf16|f32 [M, n_rows]");
+  TORCH_CHECK(packed.device() == x.device() && out.device() == x.device() &&
+              block_scale.device() == x.device() && global_scale.device() == x.device(),
+              "w4a16_gemv: all tensors must be on x's device");
+  atlas::W4A16GemvWeight w{};
+  w.packed = packed.data_ptr<uint8_t>();
+  w.block_scale = reinterpret_cast<const uint8_t*>(block_scale.data_ptr());
+  w.global_scale = global_scale.data_ptr<float>();
+  w.out = out.data_ptr();
+  w.n = static_cast<int>(n);
+  w.qg_head_dim = static_cast<int>(qg_head_dim);
+  return w;
+}
+
+void check_gemv_activation(const torch::Tensor& x, const char* name) {  // [M, K] bf16
+  CHECK_CUDA_TENSOR(x); CHECK_CONTIGUOUS(x);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 &&
+              x.size(0) <= atlas::kW4A16GemvMaxRows && x.size(1) % 16 == 0,
+              "w4a16_gemv: ", name, " must be bf16 [M <= 32, K % 16 == 0]");
+}
+
+void run_w4a16_gemv(atlas::W4A16GemvArgs& a, const torch::Tensor& x, torch::Tensor& out0) {
+  a.m = static_cast<int>(x.size(0));
+  a.k = static_cast<int>(x.size(1));
+  a.out_dtype = out0.scalar_type() == torch::kFloat ? atlas::DType::kF32 : atlas::DType::kBF16;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaError_t err = atlas::launch_w4a16_gemv(a, current_stream(x));
+  TORCH_CHECK(err == cudaSuccess, "w4a16_gemv (M = ", a.m, ", K = ", a.k, ", N = ", a.w[0].n,
+              a.num_weights == 2 ? " and " + std::to_string(a.w[1].n) : std::string(),
+              a.up ? ", silu" : "", "): CUDA error: ", cudaGetErrorString(err));
+}
+
+// y = x · Wᵀ (or bf16(silu(x) · up) · Wᵀ when up is given); qg_head_dim > 0 de-interleaves q|gate.
+void w4a16_gemv(const torch::Tensor& x,                   // [M, K] bf16 (silu: gate)
+                const std::optional<torch::Tensor>& up,   // [M, K] bf16 or None
+                const torch::Tensor& packed,              // [N, K/2] uint8
+                const torch::Tensor& block_scale,         // [N, K/16] e4m3
+                const torch::Tensor& global_scale,        // [] f32
+                torch::Tensor& out,                       // [M, n_rows] bf16|f32 (out)
+                int64_t n_rows, int64_t qg_head_dim) {
+  check_gemv_activation(x, "x");
+  atlas::W4A16GemvArgs a{};
+  a.x = x.data_ptr();
+  if (up.has_value()) {
+    check_gemv_activation(*up, "up");
+    TORCH_CHECK(up->sizes() == x.sizes() && up->device() == x.device(), "w4a16_gemv: up must match gate");
+    a.up = up->data_ptr();
+  }
+  a.w[0] = gemv_weight(packed, block_scale, global_scale, out, n_rows, qg_head_dim, x.size(1), x);
+  a.num_weights = 1;
+  run_w4a16_gemv(a, x, out);
+}
+
+// (y1, y2) = (x · W1ᵀ, x · W2ᵀ) in one launch.
+void w4a16_gemv_dual(const torch::Tensor& x,                                          // [M, K] bf16
+                     const torch::Tensor& packed1, const torch::Tensor& block_scale1,  // [N1, K/2], [N1, K/16]
+                     const torch::Tensor& global_scale1, torch::Tensor& out1,          // [], [M, N1] bf16 (out)
+                     const torch::Tensor& packed2, const torch::Tensor& block_scale2,  // [N2, K/2], [N2, K/16]
+                     const torch::Tensor& global_scale2, torch::Tensor& out2) {        // [], [M, N2] bf16 (out)
+  check_gemv_activation(x, "x");
+  TORCH_CHECK(out1.scalar_type() == out2.scalar_type(), "w4a16_gemv_dual: outputs must share a dtype");
+  atlas::W4A16GemvArgs a{};
+  a.x = x.data_ptr();
+  a.w[0] = gemv_weight(packed1, block_scale1, global_scale1, out1, packed1.size(0), 0, x.size(1), x);
+  a.w[1] = gemv_weight(packed2, block_scale2, global_scale2, out2, packed2.size(0), 0, x.size(1), x);
+  a.num_weights = 2;
+  run_w4a16_gemv(a, x, out1);
+}
 
 // ---- reshape_and_cache / paged_decode bindings (paged KV family) --------------------------
 void reshape_and_cache(const torch::Tensor& key,                     // [T, nkv, hd] bf16, rows strided
@@ -374,6 +461,9 @@ void embedding(const torch::Tensor& table,   // [V, h] bf16 contiguous
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "atlas CUDA kernels (see atlas/ops.py for the validated Python API)";
   m.def("quantize_nvfp4", &quantize_nvfp4, "BF16/F16/F32 [N,K] -> NVFP4 packed, block scales, global scale");
+  m.def("w4a16_gemv", &w4a16_gemv,
+        "x [M<=32,K] bf16 (or bf16(silu(gate)*up)) . NVFP4 W[:n_rows]^T -> out [M,n_rows] bf16|f32; q|gate de-interleave");
+  m.def("w4a16_gemv_dual", &w4a16_gemv_dual, "x [M<=32,K] bf16 . (W1, W2)^T -> out1 [M,N1], out2 [M,N2] in one launch");
   // ---- w4a16_gemv (owned by the GEMV work; insert defs above this line) ----
   m.def("reshape_and_cache", &reshape_and_cache,
         "K/V rows [T,nkv,hd] bf16 -> paged cache slots (bf16 copy | e4m3 + per-row f32 scale), in place");
