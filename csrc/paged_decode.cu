@@ -40,9 +40,10 @@
 //   columns as two n8 tiles. To keep every product far from fp32 subnormals, Q is staged
 //   · 2^64 and P · 2^64 (exact powers of two); scores are · 2^56 and O · 2^56 at the end.
 //
-//   Combine (second kernel, only when max_splits > 1): one CTA per (sequence, kv head, row)
-//   merges the splits' normalized o_s and log2-sum-exp λ_s: out = Σ 2^(λ_s − λ) o_s,
-//   λ = log2 Σ 2^λ_s. Single-split sequences are written directly by the attention kernel.
+//   Combine (second kernel, only when max_splits > 1, programmatic dependent launch): one CTA
+//   per (sequence, kv head, row, 64 columns) merges the splits' normalized o_s and log2-sum-exp
+//   λ_s: out = Σ 2^(λ_s − λ) o_s, λ = log2 Σ 2^λ_s. Single-split sequences are written
+//   directly by the attention kernel (their combine CTAs exit at once).
 //
 // Shared memory (hd 256, bf16, M_TILES 1): 3 stages × (K + V) 32 KB + Q 8.4 KB + P 1.3 KB
 //   ≈ 107 KB → 2 CTAs per SM. FP8 tiles are half as big (4 stages, 64 KB).
@@ -434,6 +435,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     }
   }
   cp_async_wait<0>();                           // no copy may outlive the CTA (none pending here)
+  // Let the combine grid start launching (it waits for this whole grid before reading).
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   // -- epilogue: l over quads and warps, then out (one split) or the split's partials ---------
 #pragma unroll
@@ -488,40 +491,32 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
 }
 
 // ---- split combine --------------------------------------------------------------------------
-// Grid (nkv · rows_total, B), 8 warps: one CTA per (sequence, kv head, row). Warp 0 turns the
-// splits' λ_s into weights 2^(λ_s − max λ) in smem; then warp w sums splits w, w + 8, ... with
-// lane l owning columns [l·hd/32, (l+1)·hd/32) (16/32-byte vector loads, 4 splits unrolled:
-// many loads in flight, since at B = 1 only nkv · group CTAs exist); smem adds the 8 warps.
-// A first version (64 threads, one column each, splits in a serial loop) had ~1 load in flight
-// per thread: ~128 dependent L2 round trips at 128 splits, longer than the attention itself.
+// Grid (nkv · rows_total · hd/64, B), 8 warps: one CTA per (sequence, kv head, row, 64-column
+// slice). Warp 0 turns the splits' λ_s into weights 2^(λ_s − max λ) in smem; then warp w sums
+// splits w, w + 8, ... (all ≤ 16 of its loads in flight at once), lane l owning columns 2l, 2l+1
+// of the slice; smem adds the 8 warps. Launched with programmatic dependent launch: its CTAs
+// become resident while the attention grid drains and wait (griddepcontrol.wait) for its
+// memory, which hides the kernel-to-kernel gap.
+// A first version (one CTA of 64 threads per row, one column each, splits in a serial loop)
+// kept ~1 load in flight per thread: ~128 dependent L2 round trips at 128 splits.
 constexpr int kCombineWarps = 8;
+constexpr int kCombineCols = 64;                                       // columns per CTA
+constexpr int kCombineSplitsPerWarp = kPagedDecodeMaxSplits / kCombineWarps;
+static_assert(kPagedDecodeMaxSplits % kCombineWarps == 0, "combine split ownership");
 
-template <int N>
-__device__ __forceinline__ void load_f32(const float* p, float (&v)[N]) {  // p 8·N-byte aligned
-  if constexpr (N % 4 == 0) {
-#pragma unroll
-    for (int i = 0; i < N; i += 4) {
-      const float4 x = *reinterpret_cast<const float4*>(p + i);
-      v[i] = x.x; v[i + 1] = x.y; v[i + 2] = x.z; v[i + 3] = x.w;
-    }
-  } else {
-    const float2 x = *reinterpret_cast<const float2*>(p);
-    v[0] = x.x; v[1] = x.y;
-  }
-}
-
-template <int HD>
 __global__ void __launch_bounds__(kCombineWarps * 32)
 paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
-  constexpr int kCols = HD / 32;                // columns per lane: 2, 4, 8
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // attention grid done, partials visible
   const PagedDecodeArgs& a = pb.a;
-  const int gr = blockIdx.x % pb.rows_total, kvh = blockIdx.x / pb.rows_total, b = blockIdx.y;
+  const int hd = a.head_dim, slices = hd / kCombineCols;
+  const int slice = blockIdx.x % slices, rest = blockIdx.x / slices;
+  const int gr = rest % pb.rows_total, kvh = rest / pb.rows_total, b = blockIdx.y;
   const int seq_len = min(max(a.seq_lens[b], 0), a.max_blocks * a.block_size);
   const int count = paged_decode_split(seq_len).count;
   if (count <= 1) return;                       // written by the attention kernel
 
   __shared__ float weight[kPagedDecodeMaxSplits];     // 2^(λ_s − max λ)
-  __shared__ __align__(16) float partial[kCombineWarps][HD];
+  __shared__ float2 partial[kCombineWarps][kCombineCols / 2];
   __shared__ float total_s, max_s;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t prow0 = ((int64_t)b * a.num_kv_heads + kvh) * a.max_splits * pb.rows_total + gr;
@@ -543,35 +538,53 @@ paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
   }
   __syncthreads();                              // (weights) weight[], total_s, max_s ready
 
-  float acc[kCols];
+  const float* po = a.partial_o + prow0 * hd + slice * kCombineCols + 2 * lane;
+  float2 acc = make_float2(0.f, 0.f);
 #pragma unroll
-  for (int i = 0; i < kCols; ++i) acc[i] = 0.f;
-  const float* po = a.partial_o + prow0 * HD + lane * kCols;
-#pragma unroll 4
-  for (int s = warp; s < count; s += kCombineWarps) {
-    float v[kCols];
-    load_f32(po + s * split_stride * HD, v);
-    const float w = weight[s];
-#pragma unroll
-    for (int i = 0; i < kCols; ++i) acc[i] += w * v[i];
+  for (int i = 0; i < kCombineSplitsPerWarp; ++i) {
+    const int s = warp + i * kCombineWarps;
+    if (s < count) {
+      const float2 v = *reinterpret_cast<const float2*>(po + s * split_stride * hd);
+      const float w = weight[s];
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+    }
   }
-#pragma unroll
-  for (int i = 0; i < kCols; ++i) partial[warp][lane * kCols + i] = acc[i];
+  partial[warp][lane] = acc;
   __syncthreads();                              // (warp sums) partial[][] complete
 
   const float total = total_s;
   const float inv = total > 0.f ? 1.f / total : 0.f;
   const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
   const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * HD;
-  for (int c = threadIdx.x; c < HD; c += kCombineWarps * 32) {
+  if (threadIdx.x < kCombineCols) {
+    const int c = threadIdx.x;
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kCombineWarps; ++w) sum += partial[w][c];
-    out[c] = __float2bfloat16_rn(sum * inv);
+    for (int w = 0; w < kCombineWarps; ++w) sum += (c & 1) ? partial[w][c / 2].y : partial[w][c / 2].x;
+    static_cast<__nv_bfloat16*>(a.out)[orow * hd + slice * kCombineCols + c] = __float2bfloat16_rn(sum * inv);
   }
-  if (a.lse != nullptr && threadIdx.x == 0)
+  if (a.lse != nullptr && slice == 0 && threadIdx.x == 0)
     a.lse[orow] = total > 0.f ? (max_s + __log2f(total)) * kLn2 : -INFINITY;
+}
+
+// Combine launch: programmatic dependent launch (see above); a plain launch where the
+// attribute is refused.
+cudaError_t launch_combine(const Problem& pb, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(pb.a.num_kv_heads * pb.rows_total * (pb.a.head_dim / kCombineCols), pb.a.batch);
+  cfg.blockDim = dim3(kCombineWarps * 32);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, paged_decode_combine_kernel, pb) == cudaSuccess) return cudaSuccess;
+  (void)cudaGetLastError();                     // clear the refusal, launch in stream order
+  paged_decode_combine_kernel<<<cfg.gridDim, cfg.blockDim, 0, stream>>>(pb);
+  return cudaGetLastError();
 }
 
 // ---- launcher -------------------------------------------------------------------------------
@@ -661,15 +674,7 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
     default: err = fp8 ? launch_rows<256, true>(pb, m_tiles, stream) : launch_rows<256, false>(pb, m_tiles, stream); break;
   }
   ATLAS_RETURN_IF_ERROR(err);
-  if (a.max_splits > 1) {
-    const dim3 grid(a.num_kv_heads * pb.rows_total, a.batch);
-    switch (a.head_dim) {
-      case 64: paged_decode_combine_kernel<64><<<grid, kCombineWarps * 32, 0, stream>>>(pb); break;
-      case 128: paged_decode_combine_kernel<128><<<grid, kCombineWarps * 32, 0, stream>>>(pb); break;
-      default: paged_decode_combine_kernel<256><<<grid, kCombineWarps * 32, 0, stream>>>(pb); break;
-    }
-    ATLAS_RETURN_IF_ERROR(cudaGetLastError());
-  }
+  if (a.max_splits > 1) ATLAS_RETURN_IF_ERROR(launch_combine(pb, stream));
   return cudaSuccess;
 }
 
