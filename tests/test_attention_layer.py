@@ -36,15 +36,16 @@ def _gen(*key):
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
-def attention_state_dict(cfg: ModelConfig, dialect: str, prefix: str, g: torch.Generator) -> dict:
+def attention_state_dict(cfg: ModelConfig, dialect: str, prefix: str, g: torch.Generator, device="cpu") -> dict:
     """Random HF-named attention weights of a config in one checkpoint dialect (unit-RMS rows, so
-    activations stay O(1); norm weights around 0 for zero-centered norms, around 1 otherwise)."""
+    activations stay O(1); norm weights around 0 for zero-centered norms, around 1 otherwise).
+    Quantized on `device` (the GPU kernels for real shapes)."""
     h, nq, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     shapes = {"q_proj": (nq * hd * (2 if cfg.attn_output_gate else 1), h), "k_proj": (nkv * hd, h),
               "v_proj": (nkv * hd, h), "o_proj": (h, nq * hd)}
     sd = {}
     for name, (n, k) in shapes.items():
-        sd.update(module_state_dict(torch.randn(n, k, generator=g) / k ** 0.5, dialect, f"{prefix}{name}."))
+        sd.update(module_state_dict((torch.randn(n, k, generator=g) / k ** 0.5).to(device), dialect, f"{prefix}{name}."))
     base = 0.0 if cfg.zero_centered_norm else 1.0
     for name in ("q_norm", "k_norm"):
         sd[f"{prefix}{name}.weight"] = (base + 0.2 * torch.randn(hd, generator=g)).to(torch.bfloat16)
@@ -180,13 +181,15 @@ def real_config(name):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("model", list(REAL))
-@pytest.mark.parametrize("schedule", ["prefill_then_decode", "mixed_batch", "verify_groups"])
+@pytest.mark.parametrize("schedule,dialect", [("prefill_then_decode", "bf16"), ("mixed_batch", "modelopt_nvfp4"),
+                                              ("verify_groups", "bf16")])   # bf16 → K/V fused (dual GEMV)
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_cuda_matches_hf(model, schedule, kv_dtype):
+def test_cuda_matches_hf(model, schedule, dialect, kv_dtype):
     cfg = real_config(model)
     g = _gen("cuda", model, schedule, str(kv_dtype))
-    attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, "modelopt_nvfp4", "l.", g), "l.",
+    attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, dialect, "l.", g, "cuda"), "l.",
                                                "nvfp4", "cuda")
+    assert attn.kv_fused == (dialect == "bf16")
     hidden, got = run_schedule(attn, cfg, SCHEDULES[schedule], kv_dtype=kv_dtype, device="cuda", block_size=16, g=g)
     want = hf_outputs(cfg, attn, hidden, "cuda")
     for s in hidden:
@@ -198,7 +201,7 @@ def test_cuda_long_prefill_then_decode():
     """A 1000-token prompt in uneven chunks (GEMM path, many pseudo-sequences), then decode."""
     cfg = real_config("35b_a3b")
     g = _gen("long")
-    attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, "bf16", "l.", g), "l.", "nvfp4", "cuda")
+    attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, "bf16", "l.", g, "cuda"), "l.", "nvfp4", "cuda")
     schedule = [{"a": 333}, {"a": 500}, {"a": 167}] + [{"a": 1}] * 4
     hidden, got = run_schedule(attn, cfg, schedule, kv_dtype=torch.bfloat16, device="cuda", block_size=16, g=g)
     want = hf_outputs(cfg, attn, hidden, "cuda")
@@ -211,7 +214,7 @@ def test_cuda_long_prefill_then_decode():
 def test_cuda_graph_decode_equals_eager(query_len, kv_dtype):
     cfg = real_config("35b_a3b")
     g = _gen("graph", query_len, str(kv_dtype))
-    attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, "bf16", "l.", g), "l.", "nvfp4", "cuda")
+    attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, "bf16", "l.", g, "cuda"), "l.", "nvfp4", "cuda")
     b, width = 3, 8
     caches = [PagedKvCache(cfg, 1, 64, kv_dtype, "cuda") for _ in range(2)]   # eager, graph
     prompts = {s: torch.randn(10 + 7 * i, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
