@@ -19,8 +19,9 @@
 // CTA, grid = ceil(T·(nq + 2·nkv) / 8). Lane l owns the hd/32 contiguous elements
 // [l·hd/32, (l+1)·hd/32) of its row (8 bf16 = one 16-byte load at hd = 256), so the warp's loads
 // and stores are coalesced. The sum of squares (and the FP8 amax) are warp shuffles; the RoPE
-// partner of an element lives in another lane, so the normed row goes through 1 KB of shared
-// memory per warp (hd floats). Shared memory: 8·hd·4 bytes (8 KB at hd = 256).
+// partner of an element lives in another lane, so the normed row goes through shared memory
+// (hd floats per warp), and the token's rot/2 (cos, sin) pairs are computed one frequency per
+// lane (32 at rot = 64) into shared memory. Shared memory: 8·2·hd·4 bytes (16 KB at hd = 256).
 //
 // Floor: reads T·(nq + 2·nkv)·hd·2 bytes and writes T·(nq·hd·2 + 2·nkv·hd·c) (c = 2 bf16, 1 fp8);
 // decode at 27B shapes (nq 24, nkv 4, hd 256) moves ~33 KB per token: launch-bound (~2 µs
@@ -94,6 +95,8 @@ template <int HD>
 __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRopeArgs a) {
   constexpr int kPerLane = HD / 32;                 // contiguous elements per lane
   __shared__ float normed_row[kWarps][HD];          // a warp's normed row: RoPE partners
+  __shared__ float rope_cos[kWarps][HD / 2];        // the warp's token: cos, sin per frequency
+  __shared__ float rope_sin[kWarps][HD / 2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int rows_per_token = a.nq + 2 * a.nkv;
   const int64_t task = int64_t(blockIdx.x) * kWarps + warp;          // [0, T·rows_per_token)
@@ -112,8 +115,21 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
   float f[kPerLane];
   load_bf16<kPerLane>(src + d0, f);
 
+  const int half = a.rotary_dim / 2;
   if (kind != RowKind::kValue) {
-    // Step 2: RMSNorm over the head (fp32), weight with the zero-centered offset.
+    // Step 2a: the token's RoPE table, one frequency per lane (a float64 sincos costs hundreds of
+    // cycles: computing it once per element would serialize kPerLane of them per lane).
+    if (half > 0) {
+      const double pos = static_cast<double>(a.positions[t]);
+      for (int fi = lane; fi < half; fi += 32) {
+        double s, c;
+        sincos(pos * exp2(-(2.0 * fi / a.rotary_dim) * a.log2_theta), &s, &c);
+        rope_cos[warp][fi] = static_cast<float>(c);
+        rope_sin[warp][fi] = static_cast<float>(s);
+      }
+    }
+
+    // Step 2b: RMSNorm over the head (fp32), weight with the zero-centered offset.
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) ss = fmaf(f[i], f[i], ss);
@@ -125,24 +141,19 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
       f[i] = f[i] * inv_rms * (a.zero_centered ? 1.0f + wi : wi);
     }
 
-    // Step 3: partial NeoX RoPE on dims [0, rot); partners read from shared memory.
-    if (a.rotary_dim > 0) {
+    // Step 3: partial NeoX RoPE on dims [0, rot); partners and the table from shared memory.
+    if (half > 0) {
       float* row = normed_row[warp];
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) row[d0 + i] = f[i];
       __syncwarp();
-      const int half = a.rotary_dim / 2;
-      const double pos = static_cast<double>(a.positions[t]);
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
         const int d = d0 + i;
         if (d >= a.rotary_dim) continue;
         const int fi = d < half ? d : d - half;                        // frequency index
-        const double angle = pos * exp2(-(2.0 * fi / a.rotary_dim) * a.log2_theta);
-        double s, c;
-        sincos(angle, &s, &c);
-        const float cf = static_cast<float>(c), sf = static_cast<float>(s);
-        f[i] = d < half ? f[i] * cf - row[d + half] * sf : f[i] * cf + row[d - half] * sf;
+        const float c = rope_cos[warp][fi], s = rope_sin[warp][fi];
+        f[i] = d < half ? f[i] * c - row[d + half] * s : f[i] * c + row[d - half] * s;
       }
     }
     if (kind == RowKind::kQuery) {
