@@ -962,3 +962,99 @@ def _embedding_kernel(table: Tensor, ids: Tensor) -> Tensor:
 @_embedding_kernel.register_fake
 def _(table, ids):
     return table.new_empty(ids.shape[0], table.shape[1])
+
+
+def _expert_stack(op: str, name: str, s, shape_nk, device):
+    """A stack of E expert weights [E, N, K]: bf16 Tensor, or (packed uint8 [E, N, K/2],
+    block_scale e4m3 [E, N, K/16], global_scale f32 [E]). Returns (tensors, is_nvfp4)."""
+    if isinstance(s, Tensor):
+        check_tensor(op, name, s, dtype=torch.bfloat16, shape=(None, *shape_nk), device=device, contiguous=True,
+                     what=f"bf16 [E, {shape_nk[0]}, {shape_nk[1]}]")
+        return (s,), False
+    if not (isinstance(s, (tuple, list)) and len(s) == 3):
+        raise TypeError(f"{op}: {name} must be a bf16 tensor or a (packed, block_scale, global_scale) tuple")
+    n, k = shape_nk
+    packed, scale, gs = s
+    check_tensor(op, f"{name}[0]", packed, dtype=torch.uint8, shape=(None, n, k // 2), device=device,
+                 contiguous=True, what=f"uint8 [E, {n}, {k // 2}]")
+    e = packed.shape[0]
+    check_tensor(op, f"{name}[1]", scale, dtype=torch.float8_e4m3fn, shape=(e, n, k // 16), device=device,
+                 contiguous=True, what=f"e4m3 [E, {n}, {k // 16}]")
+    check_tensor(op, f"{name}[2]", gs, dtype=torch.float32, shape=(e,), device=device, contiguous=True,
+                 what="f32 [E]")
+    return (packed, scale, gs), True
+
+
+def _dense_stack(t: tuple) -> Tensor:
+    if len(t) == 1:
+        return t[0]
+    packed, scale, gs = t
+    e, n, half_k = packed.shape
+    lut = reference.e2m1_lut(packed.device)
+    vals = torch.stack([lut[(packed & 0xF).long()], lut[(packed >> 4).long()]], dim=-1).view(e, n, -1, 16)
+    return (vals * scale.float().unsqueeze(-1) * gs.view(e, 1, 1, 1)).view(e, n, 2 * half_k)
+
+
+def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down) -> Tensor:
+    """Routed SwiGLU experts as grouped GEMVs over device-side expert ids (no host sync).
+
+    Args:
+        x: [T, h] bf16 contiguous, h % 32 == 0, h ≤ 8192.
+        ids: int32 [T, k] (from moe_route), k ≤ 32, T·k ≤ 65535. An id outside [0, E)
+            contributes nothing (checked nowhere: reading it would sync).
+        weights: float32 [T, k] routing weights.
+        gate, up: expert stacks [E, I, h]; down: [E, h, I] (I % 32 == 0). Each is a bf16
+            tensor, or an NVFP4 tuple (packed uint8 [E, N, K/2], block_scale e4m3 [E, N, K/16],
+            global_scale f32 [E]); all three in the same format.
+    Returns:
+        float32 [T, h] = Σ_j weights[t, j] · bf16(down_e · bf16(silu(bf16(gate_e·x))·bf16(up_e·x)))
+        (reference.moe_experts).
+    Example:
+        >>> out = moe_experts(x, ids, w, gate_bf16, up_bf16, down_bf16)
+    """
+    op = "moe_experts"
+    check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=2, contiguous=True, what="bf16 [T, h]")
+    t, h = x.shape
+    check_tensor(op, "ids", ids, dtype=torch.int32, ndim=2, shape=(t, None), device=x.device, contiguous=True,
+                 what="int32 [T, k]")
+    k = ids.shape[1]
+    check_tensor(op, "weights", weights, dtype=torch.float32, shape=(t, k), device=x.device, contiguous=True,
+                 what="float32 [T, k]")
+    if isinstance(gate, Tensor):
+        inter = gate.shape[1] if gate.dim() == 3 else -1
+    else:
+        inter = gate[0].shape[1] if isinstance(gate, (tuple, list)) and len(gate) == 3 else -1
+    g, g4 = _expert_stack(op, "gate", gate, (inter, h), x.device)
+    u, u4 = _expert_stack(op, "up", up, (inter, h), x.device)
+    d, d4 = _expert_stack(op, "down", down, (h, inter), x.device)
+    if not g4 == u4 == d4:
+        raise TypeError(f"{op}: gate, up and down must share one format (all bf16 or all NVFP4)")
+    if len({s[0].shape[0] for s in (g, u, d)}) != 1:
+        raise ValueError(f"{op}: gate, up and down must hold the same number of experts E")
+    if h % 32 or inter % 32 or not 32 <= h <= 8192 or not 32 <= inter <= 8192:
+        raise ValueError(f"{op}: h and I must be multiples of 32 in [32, 8192], got h = {h}, I = {inter}")
+    if not 1 <= k <= 32 or t * k > 65535:
+        raise ValueError(f"{op}: ids must have 1 ≤ k ≤ 32 and T·k ≤ 65535, got T = {t}, k = {k}")
+    if use_kernel(x):
+        if g4:
+            return torch.ops.atlas.moe_experts(x, ids, weights, g[0], g[1], g[2], u[0], u[1], u[2], d[0], d[1], d[2])
+        return torch.ops.atlas.moe_experts(x, ids, weights, g[0], None, None, u[0], None, None, d[0], None, None)
+    return reference.moe_experts(x, ids, weights, _dense_stack(g), _dense_stack(u), _dense_stack(d))
+
+
+@torch.library.custom_op("atlas::moe_experts", mutates_args=())
+def _moe_experts_kernel(x: Tensor, ids: Tensor, weights: Tensor, gate: Tensor, gate_scale: Optional[Tensor],
+                        gate_gs: Optional[Tensor], up: Tensor, up_scale: Optional[Tensor], up_gs: Optional[Tensor],
+                        down: Tensor, down_scale: Optional[Tensor], down_gs: Optional[Tensor]) -> Tensor:
+    t, h = x.shape
+    k = ids.shape[1]
+    act = torch.empty(t * k, gate.shape[1], dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(t, h, dtype=torch.float32, device=x.device)
+    _C.moe_experts(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs,
+                   act, out)
+    return out
+
+
+@_moe_experts_kernel.register_fake
+def _(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs):
+    return x.new_empty(x.shape, dtype=torch.float32)

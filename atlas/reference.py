@@ -337,3 +337,28 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool = True):
 def embedding(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Gather rows: table [V, h], ids int32|int64 [T] in [0, V) → [T, h] (same dtype, exact)."""
     return table.index_select(0, ids.long())
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor,
+                up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts over expert ids: x [T, h] bf16, ids int [T, k], weights f32 [T, k],
+    gate/up [E, I, h], down [E, h, I] dense float weights → out float32 [T, h].
+
+    For each pair (t, j), e = ids[t, j] (an id outside [0, E) contributes nothing):
+    g = bf16(W_gate[e]·x[t]), u = bf16(W_up[e]·x[t]) (float32 dots), a = bf16(silu(g)·u),
+    d = bf16(W_down[e]·a); out[t] = Σ_j weights[t, j]·d in float32, slot order."""
+    def rnd(v):
+        return v.to(torch.bfloat16).float()
+    e_count = gate.shape[0]
+    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for j in range(ids.shape[1]):
+        e = ids[:, j].long()
+        valid = ((e >= 0) & (e < e_count)).float().unsqueeze(-1)
+        e = e.clamp(0, e_count - 1)
+        g = rnd(torch.einsum("tnk,tk->tn", gate[e].float(), xf))
+        u = rnd(torch.einsum("tnk,tk->tn", up[e].float(), xf))
+        a = rnd(g * torch.sigmoid(g) * u)
+        d = rnd(torch.einsum("tnk,tk->tn", down[e].float(), a))
+        out = out + weights[:, j:j + 1].float() * d * valid
+    return out

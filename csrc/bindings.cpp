@@ -11,10 +11,11 @@
 
 #include "quantize_nvfp4.h"
 #include "reshape_and_cache.h"
-#include "paged_decode.h"
 #include "argmax.h"
 #include "embedding.h"
 #include "moe_route.h"
+#include "moe_experts.h"
+#include "paged_decode.h"
 #include "w4a16_gemv.h"
 #include "qk_norm_rope.h"
 #include "rms_norm.h"
@@ -397,8 +398,6 @@ void sigmoid_gate_mul(const torch::Tensor& x,      // [T, H, hd] bf16 contiguous
 
 
 // -- argmax / moe_route / embedding (MTP work) --
-
-// -- argmax / moe_route / embedding (MTP work) --
 void argmax(const torch::Tensor& logits,     // [R, V] bf16|f32, inner dim contiguous
             torch::Tensor& ids,              // [R] int64 (out)
             torch::Tensor& prob,             // [R] f32 (out)
@@ -456,6 +455,61 @@ void embedding(const torch::Tensor& table,   // [V, h] bf16 contiguous
   check_cuda(atlas::launch_embedding(a, current_stream(table)), "embedding");
 }
 
+namespace moe {
+// One expert stack: bf16 [E, N, K] (scale, gs undefined) or NVFP4 packed [E, N, K/2] + e4m3 [E, N, K/16] + f32 [E].
+atlas::ExpertStack stack(const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
+                         const c10::optional<torch::Tensor>& gs, bool nvfp4, int64_t n, int64_t k, const char* name) {
+  CHECK_CUDA_TENSOR(w); CHECK_CONTIGUOUS(w);
+  TORCH_CHECK(w.dim() == 3 && w.size(1) == n, "moe_experts: ", name, " must be [E, ", n, ", K]");
+  atlas::ExpertStack s{};
+  s.weight = w.data_ptr();
+  if (nvfp4) {
+    TORCH_CHECK(w.scalar_type() == torch::kByte && w.size(2) == k / 2 && scale.has_value() && gs.has_value(),
+                "moe_experts: ", name, " must be NVFP4 (packed, block_scale, global_scale)");
+    TORCH_CHECK(scale->is_contiguous() && scale->size(0) == w.size(0) && scale->size(1) == n && scale->size(2) == k / 16 &&
+                gs->is_contiguous() && gs->numel() == w.size(0) && gs->scalar_type() == torch::kFloat,
+                "moe_experts: ", name, " scales must be e4m3 [E, N, K/16] and f32 [E]");
+    s.block_scale = reinterpret_cast<const uint8_t*>(scale->data_ptr());
+    s.global_scale = gs->data_ptr<float>();
+  } else {
+    TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.size(2) == k, "moe_experts: ", name, " must be bf16 [E, N, K]");
+  }
+  return s;
+}
+}  // namespace moe
+
+void moe_experts(const torch::Tensor& x,        // [T, h] bf16
+                 const torch::Tensor& ids,      // [T, k] int32
+                 const torch::Tensor& weights,  // [T, k] f32
+                 const torch::Tensor& gate, const c10::optional<torch::Tensor>& gate_scale,
+                 const c10::optional<torch::Tensor>& gate_gs,   // [E, I, h]
+                 const torch::Tensor& up, const c10::optional<torch::Tensor>& up_scale,
+                 const c10::optional<torch::Tensor>& up_gs,     // [E, I, h]
+                 const torch::Tensor& down, const c10::optional<torch::Tensor>& down_scale,
+                 const c10::optional<torch::Tensor>& down_gs,   // [E, h, I]
+                 torch::Tensor& act,            // [T·k, I] bf16 (scratch)
+                 torch::Tensor& out) {          // [T, h] f32 (out)
+  CHECK_CUDA_TENSOR(x); CHECK_CONTIGUOUS(x); CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(weights);
+  CHECK_CONTIGUOUS(act); CHECK_CONTIGUOUS(out);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "moe_experts: x must be bf16 [T, h]");
+  const int64_t t = x.size(0), h = x.size(1), k = ids.size(1), inter = gate.size(1);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == t && ids.scalar_type() == torch::kInt, "moe_experts: ids must be int32 [T, k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "moe_experts: weights must be f32 [T, k]");
+  TORCH_CHECK(act.numel() == t * k * inter && act.scalar_type() == torch::kBFloat16, "moe_experts: act must be bf16 [T*k, I]");
+  TORCH_CHECK(out.numel() == t * h && out.scalar_type() == torch::kFloat, "moe_experts: out must be f32 [T, h]");
+  const bool nvfp4 = gate.scalar_type() == torch::kByte;
+  const c10::cuda::CUDAGuard guard(x.device());
+  atlas::MoeExpertsArgs a{};
+  a.x = x.data_ptr(); a.ids = ids.data_ptr<int32_t>(); a.weights = weights.data_ptr<float>();
+  a.gate = moe::stack(gate, gate_scale, gate_gs, nvfp4, inter, h, "gate");
+  a.up = moe::stack(up, up_scale, up_gs, nvfp4, inter, h, "up");
+  a.down = moe::stack(down, down_scale, down_gs, nvfp4, h, inter, "down");
+  a.nvfp4 = nvfp4; a.act = act.data_ptr(); a.out = out.data_ptr<float>();
+  a.num_tokens = t; a.top_k = static_cast<int>(k); a.num_experts = static_cast<int>(gate.size(0));
+  a.hidden = static_cast<int>(h); a.inter = static_cast<int>(inter);
+  check_cuda(atlas::launch_moe_experts(a, current_stream(x)), "moe_experts");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -470,12 +524,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "causal GQA attention of q_len <= 8 new tokens over the paged KV cache (bf16 | e4m3 + per-row scale), split-K");
   // ---- reshape_and_cache / paged_decode (owned by the paged-KV work; insert defs above this line) ----
-  m.def("argmax", &argmax, "logits [R,V] bf16|f32 -> ids int64 [R] (lowest index wins), top-1 softmax prob f32 [R]");
-  m.def("moe_route", &moe_route, "router logits [T,E] -> top-k expert ids int32 [T,k], f32 softmax weights [T,k]");
-  m.def("embedding", &embedding, "table [V,h] bf16 rows by device ids [T] -> [T,h] bf16 (bad id -> zero row)");
   m.def("rms_norm", &rms_norm, "x [R,D] bf16 -> rmsnorm(x) * (w | 1+w) bf16, fp32 math");
   m.def("qk_norm_rope", &qk_norm_rope,
         "per-head q/k RMSNorm + partial NeoX RoPE -> q_out; K/V into the paged cache (bf16 | e4m3 + per-row scale)");
   m.def("sigmoid_gate_mul", &sigmoid_gate_mul, "out = x * sigmoid(gate), bf16 [T,H,hd], gate strided");
+  m.def("argmax", &argmax, "logits [R,V] bf16|f32 -> ids int64 [R] (lowest index wins), top-1 softmax prob f32 [R]");
+  m.def("moe_route", &moe_route, "router logits [T,E] -> top-k expert ids int32 [T,k], f32 softmax weights [T,k]");
+  m.def("moe_experts", &moe_experts, "routed SwiGLU experts over device ids [T,k] (bf16|nvfp4 stacks) -> f32 [T,h]");
+  m.def("embedding", &embedding, "table [V,h] bf16 rows by device ids [T] -> [T,h] bf16 (bad id -> zero row)");
   // ---- small fused kernels for layers (norm, rope, gating, argmax, moe; insert defs above this line) ----
 }

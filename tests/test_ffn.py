@@ -142,6 +142,19 @@ def test_sparse_moe_matches_hf(weight_format, dialect, fused, t, path):
     assert rel_err(out, ref) < BF16_TOL
 
 
+@pytest.mark.parametrize("weight_format", ["bf16", pytest.param("nvfp4", marks=needs_gemv)])
+@pytest.mark.parametrize("t", [1, 6, 33])
+def test_sparse_moe_kernel_path_matches_hf(weight_format, t):
+    """path "kernel" = ops.moe_experts (the CUDA default; here its reference)."""
+    g = _gen("moe-kernel-path", weight_format, t)
+    cfg = _moe_cfg()
+    moe = build_ffn(cfg, _moe_state_dict(g, cfg, "bf16", True), "mlp.", weight_format, "cpu")
+    x = _rand(g, t, cfg.hidden_size, scale=2.0)
+    with torch.no_grad():
+        ref = _hf_moe(cfg, moe)(x.unsqueeze(0)).squeeze(0)
+    assert rel_err(moe(x, path="kernel"), ref) < BF16_TOL
+
+
 @pytest.mark.parametrize("t", [1, 4, 17])
 def test_moe_gather_and_dense_paths_agree(t):
     g = _gen("paths", t)
@@ -149,6 +162,7 @@ def test_moe_gather_and_dense_paths_agree(t):
     moe = build_ffn(cfg, _moe_state_dict(g, cfg, "bf16", True), "mlp.", "bf16", "cpu")
     x = _rand(g, t, cfg.hidden_size)
     assert rel_err(moe(x, path="gather"), moe(x, path="dense")) < 1e-2
+    assert rel_err(moe(x, path="kernel"), moe(x, path="dense")) < 1e-2
 
 
 def test_moe_routing_is_top_k_of_softmax():
