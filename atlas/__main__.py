@@ -244,12 +244,14 @@ _BYTES_PER_WEIGHT = {"nvfp4": 0.5 + 1 / 16, "fp8": 1.0 + 4 / (128 * 128), "bf16"
 _KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
-def draft_bytes(cfg, *, batch: int, context: int, weight_format: str, kv_dtype: str, vocab_rows: int) -> dict:
+def draft_bytes(cfg, *, batch: int, context: int, weight_format: str, kv_dtype: str, vocab_rows: int,
+                head_bytes: int | None = None) -> dict:
     """Bytes one draft step of `batch` sequences must read at least (the floor's numerator).
 
     Weights are read once per step whatever the batch: fc [h, 2h], q/k/v/o, the router and
     shared expert, the LM head rows the drafter scores, and the routed experts that at least
     one row picks — E·(1 − (1 − k/E)^B) distinct experts expected for B independent rows.
+    The LM head counts at `weight_format` unless `head_bytes` (what the loaded head streams) is given.
     Each row also reads its KV: context × nkv × hd × 2 (K and V) × element size (FP8 adds one
     float32 scale per token and KV head). Norm vectors and activations are negligible.
     """
@@ -264,7 +266,7 @@ def draft_bytes(cfg, *, batch: int, context: int, weight_format: str, kv_dtype: 
         ffn = distinct * 3 * i * h * b + 3 * cfg.shared_expert_intermediate_size * h * b + (e + 1) * h * 2
     else:
         ffn = 3 * cfg.intermediate_size * h * b
-    head = vocab_rows * h * b
+    head = vocab_rows * h * b if head_bytes is None else head_bytes     # the head as loaded, if known
     kv_elem = 1 if kv_dtype == "fp8" else 2
     kv = batch * context * nkv * (2 * hd * kv_elem + (8 if kv_dtype == "fp8" else 0))
     return {"weights": attn + fc + ffn + head, "kv": kv, "total": attn + fc + ffn + head + kv}
@@ -384,8 +386,13 @@ def cmd_draft_bench(args) -> int:
         config = T.qwen36_35b_a3b_config() if gpu else T.tiny_config()
         dialect = _DIALECT_OF_FORMAT[args.weight_format]
         t0 = time.perf_counter()
-        path = T.write_checkpoint(tmp.name, config, dialect, layers="mtp", device=device, progress=gpu)
-        source = f"synthetic {'Qwen3.6-35B-A3B' if gpu else 'tiny'} {dialect} (random weights)"
+        # The drafter runs its LM head in the projections' format when that is NVFP4 (as the seed
+        # engine does), so the synthetic checkpoint quantizes lm_head too; BF16/FP8 keep it BF16.
+        quantize_head = args.weight_format == "nvfp4"
+        path = T.write_checkpoint(tmp.name, config, dialect, layers="mtp", device=device, progress=gpu,
+                                  quantize_lm_head=quantize_head)
+        source = (f"synthetic {'Qwen3.6-35B-A3B' if gpu else 'tiny'} {dialect} "
+                  f"({'NVFP4' if quantize_head else 'BF16'} lm_head, random weights)")
         print(f"draft-bench: wrote {source} to {path} in {time.perf_counter() - t0:.1f} s")
     try:
         ckpt = open_checkpoint(path)
@@ -443,8 +450,10 @@ def cmd_draft_bench(args) -> int:
             if us is None:
                 us = cycle_us
                 mode = mode if gpu else "eager (CPU reference)"
+            head_bytes = getattr(mtp, "lm_head_nbytes", None)
             nbytes = draft_bytes(cfg, batch=b, context=prompt_len + drafts, weight_format=args.weight_format,
-                                 kv_dtype=args.kv_dtype, vocab_rows=vocab_rows)
+                                 kv_dtype=args.kv_dtype, vocab_rows=vocab_rows,
+                                 head_bytes=head_bytes if isinstance(head_bytes, int) else None)
             per_draft = us / drafts
             floor = nbytes["total"] / (bw * 1e9) * 1e6 if bw else None
             rows.append({"batch": b, "drafts": drafts, "us_per_propose": us, "us_per_draft": per_draft,

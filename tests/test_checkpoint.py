@@ -422,3 +422,58 @@ def test_load_attention_layer(tmp_path, dialect):
     assert torch.equal(layer.o_proj.dense(torch.bfloat16), want)
     with pytest.raises(CheckpointError, match="layer_idx 2 is not a full-attention layer"):
         load_attention_layer(d, 2, weight_format="bf16", device="cpu")
+
+
+# =============================================================================================
+# GPU: loading to the device, the writer's kernel path, a real-shaped MTP checkpoint
+# =============================================================================================
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dialect", T.DIALECTS)
+def test_load_to_cuda_matches_cpu(tmp_path, dialect):
+    d = _write(tmp_path, dialect, layout="vl", shard_bytes=150_000)
+    cpu, gpu = load_state_dict(d, "mtp."), load_state_dict(d, "mtp.", device="cuda")
+    assert cpu.keys() == gpu.keys()
+    for k in cpu:
+        assert gpu[k].is_cuda and gpu[k].dtype == cpu[k].dtype
+        assert torch.equal(gpu[k].cpu().view(torch.uint8) if cpu[k].element_size() == 1 else gpu[k].cpu(),
+                           cpu[k].view(torch.uint8) if cpu[k].element_size() == 1 else cpu[k]), k
+
+
+@pytest.mark.cuda
+def test_writer_on_cuda_quantizes_bit_exactly(tmp_path):
+    """Weights drawn on the GPU and quantized by the kernel equal the reference quantization of
+    the same dense weight, byte for byte."""
+    from atlas import reference
+    d = T.write_checkpoint(tmp_path / "g", T.tiny_config(), "modelopt_nvfp4", seed=5, device="cuda")
+    sd = load_state_dict(d, "mtp.")
+    mods = {m: v for m, v in T.checkpoint_modules(open_checkpoint(d).model_config).items() if v[0] == "linear"}
+    for m, (kind, shape) in mods.items():
+        if m == "mtp.fc" or "experts.1" in m or "experts.0" in m or "self_attn" in m:
+            dense = T.dense_weight(m, kind, shape, seed=5, device="cuda").cpu()
+            packed, scale, gs = reference.quantize_nvfp4(dense)
+            assert torch.equal(sd[m + ".weight"], packed), m
+            assert torch.equal(sd[m + ".weight_scale"].view(torch.uint8), scale.view(torch.uint8)), m
+            assert torch.equal(sd[m + ".weight_scale_2"], gs), m
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_real_shaped_35b_a3b_mtp_checkpoint_loads_and_proposes(tmp_path):
+    """The main job's default: a synthetic Qwen3.6-35B-A3B NVFP4 MTP checkpoint (256 experts,
+    vocab 248320, ~2.5 GB, sharded) written on the GPU, loaded and validated, then one propose."""
+    mtp_mod = _import_or_skip("atlas.layers.mtp")
+    d = T.write_checkpoint(tmp_path / "big", T.qwen36_35b_a3b_config(), "modelopt_nvfp4", layers="mtp",
+                           device="cuda", shard_bytes=1 << 30, quantize_lm_head=True, mtp_fc_bf16=True)
+    assert len(list(d.glob("*.safetensors"))) >= 2
+    head = mtp_mod.MtpHead.from_pretrained(d, weight_format="nvfp4", max_seq_len=256, max_seqs=2, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for s in (0, 1):
+        head.prefill(s, torch.randint(0, 248320, (65,), generator=g, device="cuda"),
+                     torch.randn(65, 2048, generator=g, device="cuda").bfloat16())
+    drafts, conf = head.propose([0, 1], torch.tensor([7, 8], device="cuda"),
+                                torch.randn(2, 2048, generator=g, device="cuda").bfloat16(), 3)
+    torch.cuda.synchronize()
+    assert drafts.shape == (2, 3) and bool(((drafts >= 0) & (drafts < 248320)).all())
+    assert bool(torch.isfinite(conf).all())
