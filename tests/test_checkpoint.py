@@ -415,7 +415,7 @@ def test_load_attention_layer(tmp_path, dialect):
     attn_mod = _import_or_skip("atlas.layers.attention")
     from atlas.checkpoint import load_attention_layer
     d = _write(tmp_path, dialect, layout="vl", layers=[3])
-    layer = load_attention_layer(d, 3, weight_format="bf16", device="cpu")
+    layer = attn_mod.Qwen3AttentionLayer.from_pretrained(d, 3, weight_format="bf16", device="cpu")
     assert isinstance(layer, attn_mod.Qwen3AttentionLayer)
     sd = load_state_dict(d, "model.layers.3.self_attn.")
     want = dequantized_weight(sd, "model.layers.3.self_attn.o_proj.").to(torch.bfloat16)

@@ -144,6 +144,14 @@ class Qwen3AttentionLayer:
             norms.append(w.to(device=device, dtype=torch.float32).contiguous())
         return cls(cfg, q_proj, k_proj, v_proj, o_proj, *norms)
 
+    @classmethod
+    def from_pretrained(cls, path, layer_idx: int, *, weight_format: str, device="cuda") -> "Qwen3AttentionLayer":
+        """Load full-attention layer `layer_idx` from a checkpoint directory (config.json +
+        safetensors, any dialect and key layout), validated before anything is built. See
+        atlas.checkpoint.load_attention_layer (raises CheckpointError)."""
+        from atlas.checkpoint import load_attention_layer
+        return load_attention_layer(path, layer_idx, weight_format=weight_format, device=device)
+
     @property
     def device(self) -> torch.device:
         return self.q_norm_weight.device
