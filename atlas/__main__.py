@@ -133,6 +133,44 @@ def _checks() -> list[_Check]:
         return (ops.w4a16_gemv(x.to(dev), q),)
     out.append(_Check("w4a16_gemv", gemv, _close(1e-2, "bf16 output, fp32 accumulation order")))
 
+    def nvfp4(n: int, k: int, seed: int) -> NVFP4Weight:
+        from atlas.reference import quantize_nvfp4 as ref_q
+        return NVFP4Weight(*ref_q(torch.randn(n, k, generator=_gen(seed)) * 0.02))
+
+    def x_rows(m: int, k: int, seed: int) -> torch.Tensor:
+        return torch.randn(m, k, generator=_gen(seed)).to(bf16)
+
+    def gemv_head(dev):                      # float32 logits over a truncated vocab (n_rows)
+        return (ops.w4a16_gemv(x_rows(17, 256, 31).to(dev), nvfp4(1000, 256, 30).to(dev), out_dtype=f32,
+                               n_rows=777),)
+    out.append(_Check("w4a16_gemv[f32,n_rows]", gemv_head, _close(1e-5, "fp32 output, accumulation order")))
+    out.append(_Check("w4a16_gemv_qg", lambda dev: (ops.w4a16_gemv_qg(
+        x_rows(3, 256, 33).to(dev), nvfp4(2 * 4 * 64, 256, 32).to(dev), 4, 64),), _close(1e-2, "bf16 output")))
+    out.append(_Check("w4a16_gemv_dual", lambda dev: tuple(ops.w4a16_gemv_dual(
+        x_rows(2, 256, 36).to(dev), nvfp4(128, 256, 34).to(dev), nvfp4(96, 256, 35).to(dev))),
+        _close(1e-2, "bf16 outputs")))
+    out.append(_Check("w4a16_gemv_silu", lambda dev: (ops.w4a16_gemv_silu(
+        x_rows(4, 256, 38).to(dev), x_rows(4, 256, 39).to(dev), nvfp4(192, 256, 37).to(dev)),),
+        _close(1e-2, "bf16 output")))
+
+    def experts(dev, fmt="bf16"):
+        e, i, h = 8, 64, 256
+        x = x_rows(4, h, 40)
+        ids = torch.randint(0, e, (4, 2), generator=_gen(41)).to(torch.int32)
+        w = torch.rand(4, 2, generator=_gen(42))
+        stacks = []
+        for role, (n, k) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+            dense = torch.randn(e, n, k, generator=_gen(43 + len(stacks))) * 0.05
+            if fmt == "bf16":
+                stacks.append(dense.to(bf16).to(dev))
+            else:
+                from atlas.reference import quantize_nvfp4 as ref_q
+                qs = [ref_q(dense[j]) for j in range(e)]
+                stacks.append(tuple(torch.stack([q[t] for q in qs]).to(dev) for t in range(3)))
+        return (ops.moe_experts(x.to(dev), ids.to(dev), w.to(dev), *stacks),)
+    out.append(_Check("moe_experts", experts, _close(1e-2, "bf16 intermediates")))
+    out.append(_Check("moe_experts[nvfp4]", lambda dev: experts(dev, "nvfp4"), _close(1e-2, "bf16 intermediates")))
+
     def cache(dev, kv_dtype=bf16):
         key = torch.randn(6, 2, 128, generator=_gen(4)).to(bf16) * 30    # large magnitudes: fixed scales fail
         value = torch.randn(6, 2, 128, generator=_gen(5)).to(bf16)
