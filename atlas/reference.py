@@ -345,7 +345,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate:
     gate/up [E, I, h], down [E, h, I] dense float weights → out float32 [T, h].
 
     For each pair (t, j), e = ids[t, j] (an id outside [0, E) contributes nothing):
-    g = bf16(W_gate[e]·x[t]), u = bf16(W_up[e]·x[t]) (float32 dots), a = bf16(silu(g)·u),
+    g = bf16(W_gate[e]·x[t]), u = bf16(W_up[e]·x[t]) (float32 dots), a = bf16(g / (1 + exp(−g))·u),
     d = bf16(W_down[e]·a); out[t] = Σ_j weights[t, j]·d in float32, slot order."""
     def rnd(v):
         return v.to(torch.bfloat16).float()
@@ -358,7 +358,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate:
         e = e.clamp(0, e_count - 1)
         g = rnd(torch.einsum("tnk,tk->tn", gate[e].float(), xf))
         u = rnd(torch.einsum("tnk,tk->tn", up[e].float(), xf))
-        a = rnd(g * torch.sigmoid(g) * u)
+        a = rnd(g / (1.0 + torch.exp(-g)) * u)
         d = rnd(torch.einsum("tnk,tk->tn", down[e].float(), a))
         out = out + weights[:, j:j + 1].float() * d * valid
     return out

@@ -379,8 +379,8 @@ class MtpHead:
         """k batched forwards; meta covers all k rows of every sequence (plan({s: k}))."""
         b = tokens.shape[0]
         drafts, conf = [], []
-        for j in range(k):
-            logits, hidden = self._forward(tokens, hidden, _draft_meta(meta, b, k, j))
+        for j, meta_j in enumerate(_draft_metas(meta, b, k)):
+            logits, hidden = self._forward(tokens, hidden, meta_j)
             tokens, p = ops.argmax(logits)                                               # [B] int64, f32
             drafts.append(tokens)
             conf.append(p)
@@ -408,18 +408,23 @@ def _shift_positions(meta: AttentionMetadata) -> AttentionMetadata:
     return dataclasses.replace(meta, positions=meta.positions + 1)
 
 
-def _draft_meta(meta: AttentionMetadata, b: int, k: int, j: int) -> AttentionMetadata:
-    """Draft position j's metadata (B decode rows) out of plan({s: k for s in seqs}) (B·k rows,
-    k consecutive rows per sequence): row j of each sequence, seq_lens shortened to end at it,
-    positions shifted to RoPE positions. Device ops only (graph-capturable)."""
-    positions = meta.positions.view(b, k)[:, j] + 1
-    slots = meta.slot_mapping.view(b, k)[:, j].contiguous()
-    seq_lens = meta.seq_lens - (k - 1 - j)
+def _draft_metas(meta: AttentionMetadata, b: int, k: int) -> list[AttentionMetadata]:
+    """Per draft position j = 0..k−1, the metadata of its B decode rows, out of
+    plan({s: k for s in seqs}) (B·k rows, k consecutive rows per sequence): row j of each
+    sequence, seq_lens shortened to end at it, positions shifted to RoPE positions. Four device
+    ops for all k positions (graph-capturable); position j's tensors are rows of [k, B] tensors."""
+    positions = (meta.positions.view(b, k).t() + 1).contiguous()                       # [k, B]
+    slots = meta.slot_mapping.view(b, k).t().contiguous()                              # [k, B]
+    back = torch.arange(k - 1, -1, -1, dtype=torch.int32, device=meta.device)
+    seq_lens = (meta.seq_lens.unsqueeze(0) - back.unsqueeze(1)).contiguous()           # [k, B]
     qsl = torch.arange(b + 1, dtype=torch.int32, device=meta.device)
-    ctx = [c + j for c in meta.context_lens]
-    return AttentionMetadata(positions, slots, qsl, seq_lens, meta.block_tables, meta.block_size,
-                             seq_ids=list(meta.seq_ids), query_lens=[1] * b, context_lens=ctx,
-                             max_query_len=1, max_seq_len=max(ctx) + 1, num_tokens=b)
+    out = []
+    for j in range(k):
+        ctx = [c + j for c in meta.context_lens]
+        out.append(AttentionMetadata(positions[j], slots[j], qsl, seq_lens[j], meta.block_tables, meta.block_size,
+                                     seq_ids=list(meta.seq_ids), query_lens=[1] * b, context_lens=ctx,
+                                     max_query_len=1, max_seq_len=max(ctx) + 1, num_tokens=b))
+    return out
 
 
 class ProposeGraph:
