@@ -216,6 +216,14 @@ def gemv(x: Tensor, q: NVFP4Weight) -> Tensor:
     return fn(x, q)
 
 
+def gemv_dual(x: Tensor, q1: NVFP4Weight, q2: NVFP4Weight) -> tuple[Tensor, Tensor]:
+    """atlas.ops.w4a16_gemv_dual: two weights (each with its own global scale) read in one launch."""
+    fn = getattr(ops, "w4a16_gemv_dual", None)
+    if fn is None:  # TODO(integration): drop once atlas.ops.w4a16_gemv_dual has landed
+        return gemv(x, q1), gemv(x, q2)
+    return fn(x, q1, q2)
+
+
 def nvfp4_gemm(x: Tensor, q: NVFP4Weight) -> Tensor:
     """x [T, K] bf16 · dequant(q)ᵀ → [T, N] bf16 through torch (cuBLAS on the GPU), dequantizing
     ≤ 8 M weights at a time into a BF16 scratch so no full BF16 copy of the weight is kept."""

@@ -231,3 +231,31 @@ def test_cuda_graph_decode_equals_eager(query_len, kv_dtype):
     k0, v0, _, _ = caches[0].layer(0)
     k1, v1, _, _ = caches[1].layer(0)
     assert torch.equal(k0.view(torch.uint8), k1.view(torch.uint8)) and torch.equal(v0.view(torch.uint8), v1.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dialect,launches", [("bf16", {"dual": 1, "gemv": 1}),             # q+kv, o
+                                              ("modelopt_nvfp4", {"dual": 1, "gemv": 2})])  # q+k, v, o
+def test_decode_projection_launches(monkeypatch, dialect, launches):
+    """A decode step reads q_proj, k_proj and v_proj in one GEMV launch when K and V share a
+    global scale (else q+k and v), and o_proj in one more."""
+    from atlas import ops, reference as ref
+    calls = {"dual": 0, "gemv": 0}
+
+    def gemv(x, q, **kw):
+        calls["gemv"] += 1
+        return ref.w4a16_gemv(x, q.packed, q.block_scale, q.global_scale) if hasattr(ref, "w4a16_gemv") else \
+            (x.float() @ q.dequantize().t()).to(torch.bfloat16)
+
+    def dual(x, q1, q2):
+        calls["dual"] += 1
+        calls["gemv"] -= 2
+        return gemv(x, q1), gemv(x, q2)
+
+    monkeypatch.setattr(ops, "w4a16_gemv", gemv, raising=False)
+    monkeypatch.setattr(ops, "w4a16_gemv_dual", dual, raising=False)
+    cfg = TINY["qwen3_next"]
+    attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, dialect, "", _gen("launch", dialect)),
+                                               "", "nvfp4", "cpu")
+    cache = PagedKvCache(cfg, 1, 8, device="cpu")
+    attn(torch.zeros(2, cfg.hidden_size, dtype=torch.bfloat16), cache.plan({"a": 1, "b": 1}), cache)
+    assert calls == launches

@@ -11,15 +11,18 @@ Per token (HF `Qwen3Attention` / `Qwen3NextAttention` / `Qwen3_5MoeAttention`, c
     o      = o · sigmoid(gate)  (gated only);  out = o_proj(o)
 
 Launches of a decode / verify step (T ≤ 32 rows, NVFP4 weights), all graph-capturable:
-    1. w4a16_gemv_qg    q_proj; the [q | gate] de-interleave happens on the store (gated), or
-       w4a16_gemv       q_proj (plain Qwen3)
-    2. w4a16_gemv_dual  k_proj and v_proj in one launch when they share a global scale
-                        (ModelOpt / llm-compressor exports, and every BF16/FP8 → NVFP4
-                        conversion here), else two w4a16_gemv
-    3. qk_norm_rope     q/k norms + RoPE + K/V cache write, one bf16 rounding (csrc/qk_norm_rope.cu)
-    4. paged_decode     per run of consecutive sequences with the same query_len ≤ 8
-    5. sigmoid_gate_mul (gated only)
-    6. w4a16_gemv       o_proj
+    1. w4a16_gemv_dual  q_proj and [k_proj; v_proj] in ONE launch when K and V share a global
+                        scale (ModelOpt / llm-compressor exports, and every BF16/FP8 → NVFP4
+                        conversion here): their rows are concatenated once at load into one
+                        NVFP4 weight. Otherwise dual(q_proj, k_proj) + w4a16_gemv(v_proj).
+                        The gated q_proj output stays per head [q | gate]: the next kernels read
+                        q and gate through strides, so no de-interleave pass (nor the _qg
+                        variant's store permutation) is needed at all.
+    2. qk_norm_rope     q/k norms + RoPE + K/V cache write, one bf16 rounding (csrc/qk_norm_rope.cu)
+    3. paged_decode     per run of consecutive sequences with the same query_len ≤ 8 (+ its
+                        split-K combine)
+    4. sigmoid_gate_mul (gated only)
+    5. w4a16_gemv       o_proj
 Prefill chunks (query_len > 8, or T > 32 rows in the step) run the projections as GEMMs
 (atlas.linear: cuBLAS over the on-the-fly BF16 dequantization for NVFP4) and attend with
 paged_decode over query chunks of 8: a chunk of n new rows becomes ceil(n/8) pseudo-sequences
@@ -42,7 +45,8 @@ from atlas import ops
 from atlas._validate import check_tensor
 from atlas.config import ModelConfig
 from atlas.kv_cache import AttentionMetadata, PagedKvCache
-from atlas.linear import GEMV_MAX_ROWS, Linear, gemv, load_linears
+from atlas.linear import GEMV_MAX_ROWS, Linear, gemv, gemv_dual, load_linears
+from atlas.nvfp4 import NVFP4Weight
 
 MAX_DECODE_QUERY_LEN = 8      # paged_decode serves query_len ≤ 8 (decode and verify groups)
 PREFILL_CHUNK = 8             # query rows per pseudo-sequence of a prefill chunk
@@ -87,7 +91,8 @@ class Qwen3AttentionLayer:
         q_proj [nq·hd·(2 if gated else 1), h], k_proj / v_proj [nkv·hd, h], o_proj [h, nq·hd]:
             atlas.linear.Linear. q_norm_weight, k_norm_weight: float32 [hd] as stored (the
             zero-centered offset is applied by the kernel).
-        kv_fused: K and V run as one w4a16_gemv_dual launch (NVFP4 with one global scale).
+        kv_fused: K and V share a global scale (NVFP4); decode then runs q, k and v in one
+            w4a16_gemv_dual launch over q_proj and kv_weight = [k_proj; v_proj] rows.
     """
 
     def __init__(self, cfg: ModelConfig, q_proj: Linear, k_proj: Linear, v_proj: Linear,
@@ -101,6 +106,11 @@ class Qwen3AttentionLayer:
         self.weight_format = q_proj.weight_format
         self.kv_fused = (self.weight_format == "nvfp4" and k_proj.weight_format == v_proj.weight_format == "nvfp4"
                          and bool(torch.equal(k_proj.weight.global_scale, v_proj.weight.global_scale)))
+        self.kv_weight = None
+        if self.kv_fused:   # one [2·nkv·hd, h] NVFP4 weight (a copy of 2·nkv·hd·h·9/16 bytes)
+            kw, vw = k_proj.weight, v_proj.weight
+            self.kv_weight = NVFP4Weight(torch.cat([kw.packed, vw.packed]),
+                                         torch.cat([kw.block_scale, vw.block_scale]), kw.global_scale)
         self.norm_kwargs = dict(eps=float(cfg.rms_norm_eps), zero_centered=bool(cfg.zero_centered_norm),
                                 rotary_dim=int(cfg.rotary_dim), rope_theta=float(cfg.rope_theta))
         self.softmax_scale = float(cfg.softmax_scale)
@@ -190,21 +200,21 @@ class Qwen3AttentionLayer:
     def _project_qkv(self, x: Tensor):
         """x [T, h] → q [T, nq, hd], gate [T, nq, hd] or None, k, v [T, nkv, hd] (strided views)."""
         t, nq, nkv, hd = x.shape[0], self.nq, self.nkv, self.hd
-        gemv_path = self.weight_format == "nvfp4" and t <= GEMV_MAX_ROWS
-        if gemv_path and self.gated and hasattr(ops, "w4a16_gemv_qg"):
-            qg = ops.w4a16_gemv_qg(x, self.q_proj.weight, nq, hd)                   # [T, Q all | G all]
-            q, gate = qg[:, :nq * hd].view(t, nq, hd), qg[:, nq * hd:].view(t, nq, hd)
-        else:
-            y = self.q_proj(x)
-            if self.gated:                                                           # per head [q | gate]
-                y = y.view(t, nq, 2 * hd)
-                q, gate = y[..., :hd], y[..., hd:]
+        if self.weight_format == "nvfp4" and t <= GEMV_MAX_ROWS:                     # decode / verify
+            x = x.contiguous()
+            if self.kv_fused:
+                y, kv = gemv_dual(x, self.q_proj.weight, self.kv_weight)
+                k, v = kv[:, :nkv * hd], kv[:, nkv * hd:]
             else:
-                q, gate = y.view(t, nq, hd), None
-        if gemv_path and self.kv_fused and hasattr(ops, "w4a16_gemv_dual"):
-            k, v = ops.w4a16_gemv_dual(x, self.k_proj.weight, self.v_proj.weight)
+                y, k = gemv_dual(x, self.q_proj.weight, self.k_proj.weight)
+                v = gemv(x, self.v_proj.weight)
+        else:                                                                        # GEMM / bf16 / fp8
+            y, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.gated:                                                               # per head [q | gate]
+            y = y.view(t, nq, 2 * hd)
+            q, gate = y[..., :hd], y[..., hd:]
         else:
-            k, v = self.k_proj(x), self.v_proj(x)
+            q, gate = y.view(t, nq, hd), None
         return q, gate, k.view(t, nkv, hd), v.view(t, nkv, hd)
 
     def _attend(self, q: Tensor, meta: AttentionMetadata, k_cache, v_cache, k_scale, v_scale) -> Tensor:
