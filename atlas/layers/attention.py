@@ -162,6 +162,13 @@ class Qwen3AttentionLayer:
         from atlas.checkpoint import load_attention_layer
         return load_attention_layer(path, layer_idx, weight_format=weight_format, device=device)
 
+    @classmethod
+    def from_pretrained(cls, path, layer_idx: int, *, weight_format: str, device="cuda") -> "Qwen3AttentionLayer":
+        """Full-attention layer `layer_idx` of the checkpoint at `path` (config.json + safetensors,
+        any dialect); see atlas.checkpoint.load_attention_layer."""
+        from atlas.checkpoint import load_attention_layer
+        return load_attention_layer(path, layer_idx, weight_format=weight_format, device=device)
+
     @property
     def device(self) -> torch.device:
         return self.q_norm_weight.device
