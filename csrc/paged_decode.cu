@@ -316,12 +316,16 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     const float* v_scale_tile = k_scale_tile + kTileN;
     const int tile_start = kv_begin + tile * kTileN;
 
-    // score: S[rows, 8w .. 8w+7] = Q · K^T, 64 hd per step
-    float s_acc[M_TILES][4];
+    // score: S[rows, 8w .. 8w+7] = Q · K^T, 64 hd per step. With one row tile the hd/16 MMAs
+    // would form one dependent chain; kChains accumulators (k chunks alternate) halve it.
+    constexpr int kChains = M_TILES == 1 ? 2 : 1;
+    float s_part[kChains][M_TILES][4];
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
+    for (int c = 0; c < kChains; ++c)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s_acc[mt][i] = 0.f;
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s_part[c][mt][i] = 0.f;
 #pragma unroll
     for (int k64 = 0; k64 < HD / 64; ++k64) {
       uint32_t kb[4][2];                        // B fragments of 4 k16 chunks
@@ -347,10 +351,19 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         for (int mt = 0; mt < M_TILES; ++mt) {
           uint32_t qa[4];
           ldmatrix_x4(qa, smem_addr(q_smem + (mt * 16 + (lane & 15)) * Tr::kQStride + kc * 16 + (lane >> 4) * 8));
-          mma_bf16(s_acc[mt], qa, kb[i][0], kb[i][1]);
+          mma_bf16(s_part[i % kChains][mt], qa, kb[i][0], kb[i][1]);
         }
       }
     }
+    float s_acc[M_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s_acc[mt][i] = s_part[0][mt][i];
+#pragma unroll
+        for (int c = 1; c < kChains; ++c) s_acc[mt][i] += s_part[c][mt][i];
+      }
 
     // scale + causal mask, then this warp's row maxima over its 8 columns
     const int col = 8 * warp + 2 * t;           // tile column of element 0
