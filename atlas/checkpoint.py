@@ -140,7 +140,9 @@ def _module_dialect(params: dict, dtype_of=None) -> str:
 _REQUIRED = {"bf16": ("weight",), "modelopt_nvfp4": ("weight", "weight_scale", "weight_scale_2"),
              "compressed_tensors_nvfp4": ("weight_packed", "weight_scale", "weight_global_scale"),
              "fp8": ("weight", "weight_scale_inv")}
-_OPTIONAL = {"bf16": ("bias", "k_scale", "v_scale"),     # KV scales ride on k_proj/v_proj even when unquantized "modelopt_nvfp4": ("input_scale", "bias", "k_scale", "v_scale"),
+# KV-cache scales ride on k_proj / v_proj (ModelOpt), also when the projections stay unquantized
+_OPTIONAL = {"bf16": ("bias", "k_scale", "v_scale"),
+             "modelopt_nvfp4": ("input_scale", "bias", "k_scale", "v_scale"),
              "compressed_tensors_nvfp4": ("input_global_scale", "bias", "k_scale", "v_scale"),
              "fp8": ("bias", "k_scale", "v_scale")}
 
