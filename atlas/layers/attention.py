@@ -411,12 +411,12 @@ def hf_attention(cfg: ModelConfig, attn: Qwen3AttentionLayer, *, dtype: torch.dt
         hf_cfg = m.Qwen3_5MoeTextConfig(rope_parameters=rope, layer_types=["full_attention"], **common)
         module_cls, rotary_cls = m.Qwen3_5MoeAttention, m.Qwen3_5MoeTextRotaryEmbedding
     hf_cfg._attn_implementation = attn_implementation
-    module = module_cls(hf_cfg, layer_idx=0)
+    with torch.device(device):            # build in place: a 27B q_proj is 250 MB of float32
+        module = module_cls(hf_cfg, layer_idx=0)
+        rotary = rotary_cls(hf_cfg)
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             getattr(module, name).weight.copy_(getattr(attn, name).dense(torch.float32))
         module.q_norm.weight.copy_(attn.q_norm_weight)
         module.k_norm.weight.copy_(attn.k_norm_weight)
-    module = module.to(device=device, dtype=dtype).eval()
-    rotary = rotary_cls(hf_cfg).to(device)
-    return module, rotary
+    return module.to(dtype=dtype).eval(), rotary
