@@ -882,7 +882,8 @@ def moe_route(logits: Tensor, top_k: int, renormalize: bool = True) -> tuple[Ten
     by logit with the lowest expert index winning ties, renormalized when `renormalize`.
 
     Args:
-        logits: [T, E] bf16 | f32 router logits (x · W_gate^T), E ≤ 1024, contiguous.
+        logits: [T, E] bf16 | f32 router logits (x · W_gate^T), E ≤ 1024, last dim contiguous
+            (a row stride > E is fine: e.g. the first E columns of [router | shared gate] logits).
         top_k: experts per row, 1 ≤ top_k ≤ min(E, 32).
         renormalize: divide the k weights by their sum (Qwen3 `norm_topk_prob`); default True.
     Returns:
@@ -895,6 +896,8 @@ def moe_route(logits: Tensor, top_k: int, renormalize: bool = True) -> tuple[Ten
     op = "moe_route"
     check_tensor(op, "logits", logits, dtypes=(torch.bfloat16, torch.float32), ndim=2,
                  what="bf16|f32 [T, E]")
+    if logits.shape[0] > 0 and logits.stride(1) != 1:
+        logits = logits.contiguous()
     if not isinstance(top_k, int) or isinstance(top_k, bool):
         raise TypeError(f"{op}: top_k must be an int, got {type(top_k).__name__}")
     e = logits.shape[1]
@@ -903,7 +906,7 @@ def moe_route(logits: Tensor, top_k: int, renormalize: bool = True) -> tuple[Ten
     if not 1 <= top_k <= min(e, MOE_ROUTE_MAX_TOP_K):
         raise ValueError(f"{op}: top_k must be in [1, {min(e, MOE_ROUTE_MAX_TOP_K)}] for E = {e}, got {top_k}")
     if use_kernel(logits):
-        return torch.ops.atlas.moe_route(logits.contiguous(), top_k, bool(renormalize))
+        return torch.ops.atlas.moe_route(logits, top_k, bool(renormalize))   # rows may be strided
     return reference.moe_route(logits, top_k, bool(renormalize))
 
 
@@ -995,7 +998,8 @@ def _dense_stack(t: tuple) -> Tensor:
     return (vals * scale.float().unsqueeze(-1) * gs.view(e, 1, 1, 1)).view(e, n, 2 * half_k)
 
 
-def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down) -> Tensor:
+def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shared: Optional[Tensor] = None,
+                shared_gate: Optional[Tensor] = None) -> Tensor:
     """Routed SwiGLU experts as grouped GEMVs over device-side expert ids (no host sync).
 
     Args:
@@ -1006,9 +1010,12 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down) -> Tens
         gate, up: expert stacks [E, I, h]; down: [E, h, I] (I % 32 == 0). Each is a bf16
             tensor, or an NVFP4 tuple (packed uint8 [E, N, K/2], block_scale e4m3 [E, N, K/16],
             global_scale f32 [E]); all three in the same format.
+        shared: optional [T, h] bf16, the shared expert's output, combined in the epilogue;
+        shared_gate: [T] bf16 (any stride) shared-expert gate logits, required with shared.
     Returns:
         float32 [T, h] = Σ_j weights[t, j] · bf16(down_e · bf16(silu(bf16(gate_e·x))·bf16(up_e·x)))
-        (reference.moe_experts).
+        (reference.moe_experts); with `shared`: bf16 [T, h] = bf16(that + sigmoid(shared_gate) ·
+        shared), the whole MoE block's output.
     Example:
         >>> out = moe_experts(x, ids, w, gate_bf16, up_bf16, down_bf16)
     """
@@ -1035,26 +1042,36 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down) -> Tens
         raise ValueError(f"{op}: h and I must be multiples of 32 in [32, 8192], got h = {h}, I = {inter}")
     if not 1 <= k <= 32 or t * k > 65535:
         raise ValueError(f"{op}: ids must have 1 ≤ k ≤ 32 and T·k ≤ 65535, got T = {t}, k = {k}")
+    if (shared is None) != (shared_gate is None):
+        raise ValueError(f"{op}: shared and shared_gate must be given together")
+    if shared is not None:
+        check_tensor(op, "shared", shared, dtype=torch.bfloat16, shape=(t, h), device=x.device, contiguous=True,
+                     what="bf16 [T, h]")
+        check_tensor(op, "shared_gate", shared_gate, dtype=torch.bfloat16, shape=(t,), device=x.device,
+                     what="bf16 [T]")
     if use_kernel(x):
-        if g4:
-            return torch.ops.atlas.moe_experts(x, ids, weights, g[0], g[1], g[2], u[0], u[1], u[2], d[0], d[1], d[2])
-        return torch.ops.atlas.moe_experts(x, ids, weights, g[0], None, None, u[0], None, None, d[0], None, None)
-    return reference.moe_experts(x, ids, weights, _dense_stack(g), _dense_stack(u), _dense_stack(d))
+        s4 = (g[1], g[2], u[0], u[1], u[2], d[0], d[1], d[2]) if g4 else (None, None, u[0], None, None, d[0], None, None)
+        return torch.ops.atlas.moe_experts(x, ids, weights, g[0], *s4, shared, shared_gate)
+    out = reference.moe_experts(x, ids, weights, _dense_stack(g), _dense_stack(u), _dense_stack(d))
+    if shared is not None:
+        out = (out + torch.sigmoid(shared_gate.float()).unsqueeze(-1) * shared.float()).to(torch.bfloat16)
+    return out
 
 
 @torch.library.custom_op("atlas::moe_experts", mutates_args=())
 def _moe_experts_kernel(x: Tensor, ids: Tensor, weights: Tensor, gate: Tensor, gate_scale: Optional[Tensor],
                         gate_gs: Optional[Tensor], up: Tensor, up_scale: Optional[Tensor], up_gs: Optional[Tensor],
-                        down: Tensor, down_scale: Optional[Tensor], down_gs: Optional[Tensor]) -> Tensor:
+                        down: Tensor, down_scale: Optional[Tensor], down_gs: Optional[Tensor],
+                        shared: Optional[Tensor], shared_gate: Optional[Tensor]) -> Tensor:
     t, h = x.shape
     k = ids.shape[1]
     act = torch.empty(t * k, gate.shape[1], dtype=torch.bfloat16, device=x.device)
-    out = torch.empty(t, h, dtype=torch.float32, device=x.device)
+    out = torch.empty(t, h, dtype=torch.float32 if shared is None else torch.bfloat16, device=x.device)
     _C.moe_experts(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs,
-                   act, out)
+                   shared, shared_gate, act, out)
     return out
 
 
 @_moe_experts_kernel.register_fake
-def _(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs):
-    return x.new_empty(x.shape, dtype=torch.float32)
+def _(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs, shared, shared_gate):
+    return x.new_empty(x.shape, dtype=torch.float32 if shared is None else torch.bfloat16)

@@ -15,6 +15,7 @@
 #include "embedding.h"
 #include "moe_route.h"
 #include "moe_experts.h"
+#include "moe_experts.h"
 #include "paged_decode.h"
 #include "w4a16_gemv.h"
 #include "qk_norm_rope.h"
@@ -424,9 +425,10 @@ void moe_route(const torch::Tensor& logits,   // [T, E] bf16|f32 contiguous
                torch::Tensor& ids,            // [T, k] int32 (out)
                torch::Tensor& weights,        // [T, k] f32 (out)
                bool renormalize) {
-  CHECK_CUDA_TENSOR(logits); CHECK_CONTIGUOUS(logits); CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(weights);
-  TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kFloat),
-              "moe_route: logits must be bf16|f32 [T, E]");
+  CHECK_CUDA_TENSOR(logits); CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(weights);
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 &&
+              (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kFloat),
+              "moe_route: logits must be bf16|f32 [T, E] with a contiguous last dim");
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == logits.size(0) && ids.scalar_type() == torch::kInt32,
               "moe_route: ids must be int32 [T, k]");
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "moe_route: weights must be f32 [T, k]");
@@ -435,6 +437,7 @@ void moe_route(const torch::Tensor& logits,   // [T, E] bf16|f32 contiguous
   a.logits = logits.data_ptr();
   a.dtype = logits.scalar_type() == torch::kBFloat16 ? atlas::DType::kBF16 : atlas::DType::kF32;
   a.num_tokens = logits.size(0); a.num_experts = static_cast<int>(logits.size(1)); a.top_k = static_cast<int>(ids.size(1));
+  a.row_stride = logits.size(0) > 1 ? logits.stride(0) : logits.size(1);
   a.renormalize = renormalize; a.ids = ids.data_ptr<int32_t>(); a.weights = weights.data_ptr<float>();
   check_cuda(atlas::launch_moe_route(a, current_stream(logits)), "moe_route");
 }
@@ -487,8 +490,10 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
                  const c10::optional<torch::Tensor>& up_gs,     // [E, I, h]
                  const torch::Tensor& down, const c10::optional<torch::Tensor>& down_scale,
                  const c10::optional<torch::Tensor>& down_gs,   // [E, h, I]
+                 const c10::optional<torch::Tensor>& shared,        // [T, h] bf16 or none
+                 const c10::optional<torch::Tensor>& shared_gate,   // [T] bf16 (strided) or none
                  torch::Tensor& act,            // [T·k, I] bf16 (scratch)
-                 torch::Tensor& out) {          // [T, h] f32 (out)
+                 torch::Tensor& out) {          // [T, h] f32 (no shared) | bf16 (shared) (out)
   CHECK_CUDA_TENSOR(x); CHECK_CONTIGUOUS(x); CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(weights);
   CHECK_CONTIGUOUS(act); CHECK_CONTIGUOUS(out);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "moe_experts: x must be bf16 [T, h]");
@@ -496,7 +501,15 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == t && ids.scalar_type() == torch::kInt, "moe_experts: ids must be int32 [T, k]");
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "moe_experts: weights must be f32 [T, k]");
   TORCH_CHECK(act.numel() == t * k * inter && act.scalar_type() == torch::kBFloat16, "moe_experts: act must be bf16 [T*k, I]");
-  TORCH_CHECK(out.numel() == t * h && out.scalar_type() == torch::kFloat, "moe_experts: out must be f32 [T, h]");
+  const bool with_shared = shared.has_value();
+  TORCH_CHECK(out.numel() == t * h && out.scalar_type() == (with_shared ? torch::kBFloat16 : torch::kFloat),
+              "moe_experts: out must be [T, h], f32 (bf16 with a shared expert)");
+  if (with_shared) {
+    TORCH_CHECK(shared->is_contiguous() && shared->numel() == t * h && shared->scalar_type() == torch::kBFloat16 &&
+                shared_gate.has_value() && shared_gate->dim() == 1 && shared_gate->size(0) == t &&
+                shared_gate->scalar_type() == torch::kBFloat16,
+                "moe_experts: shared must be bf16 [T, h] and shared_gate bf16 [T]");
+  }
   const bool nvfp4 = gate.scalar_type() == torch::kByte;
   const c10::cuda::CUDAGuard guard(x.device());
   atlas::MoeExpertsArgs a{};
@@ -504,7 +517,10 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
   a.gate = moe::stack(gate, gate_scale, gate_gs, nvfp4, inter, h, "gate");
   a.up = moe::stack(up, up_scale, up_gs, nvfp4, inter, h, "up");
   a.down = moe::stack(down, down_scale, down_gs, nvfp4, h, inter, "down");
-  a.nvfp4 = nvfp4; a.act = act.data_ptr(); a.out = out.data_ptr<float>();
+  a.nvfp4 = nvfp4; a.act = act.data_ptr(); a.out = out.data_ptr();
+  if (with_shared) {
+    a.shared = shared->data_ptr(); a.shared_gate = shared_gate->data_ptr(); a.shared_gate_stride = shared_gate->stride(0);
+  }
   a.num_tokens = t; a.top_k = static_cast<int>(k); a.num_experts = static_cast<int>(gate.size(0));
   a.hidden = static_cast<int>(h); a.inter = static_cast<int>(inter);
   check_cuda(atlas::launch_moe_experts(a, current_stream(x)), "moe_experts");

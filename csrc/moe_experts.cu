@@ -7,6 +7,9 @@
 //     act[p] = bf16(silu(g) · u)                                      (float32 math)
 //     d = bf16(W_down[e] · act[p])
 //   out[t] = Σ_j weights[t, j] · d_j                                  (float32, j = 0..k−1)
+//   with a shared expert: out[t] = bf16(that + sigmoid(shared_gate[t]) · shared[t])  (bf16 out)
+//   — the whole Qwen3-Next MoE combine in the down kernel's epilogue, so the block ends in two
+//   launches here plus the router GEMV, moe_route and the shared expert's two GEMVs.
 //
 // Why: routing stays on the device (ids from ops.moe_route), so the host never learns which
 // experts to run; these kernels read the ids and each pair streams its own expert's weights.
@@ -164,7 +167,10 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(
     const int32_t* __restrict__ ids,         // [T, k]
     const float* __restrict__ weights,       // [T, k]
     ExpertStack down,                        // [E, h, I]
-    float* __restrict__ out,                 // [T, h]
+    const __nv_bfloat16* __restrict__ shared,        // [T, h] or nullptr
+    const __nv_bfloat16* __restrict__ shared_gate,   // [T] (stride shared_gate_stride)
+    int64_t shared_gate_stride,
+    void* __restrict__ out,                  // [T, h] f32 (no shared) | bf16 (shared)
     int top_k, int num_experts, int hidden, int inter) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* lut = reinterpret_cast<float*>(smem);                                  // [16]
@@ -185,7 +191,15 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(
       const float d = round_bf16(W::dot(down, e, n, hidden, inter, as + j * inter, lut));
       acc = fmaf(weights[t * top_k + j], d, acc);
     }
-    if (lane == 0) out[t * hidden + n] = acc;
+    if (lane == 0) {
+      if (shared == nullptr) {
+        static_cast<float*>(out)[t * hidden + n] = acc;
+      } else {
+        const float sg = __bfloat162float(shared_gate[t * shared_gate_stride]);
+        const float v = acc + __bfloat162float(shared[t * hidden + n]) / (1.f + expf(-sg));
+        static_cast<__nv_bfloat16*>(out)[t * hidden + n] = __float2bfloat16(v);
+      }
+    }
   }
 }
 
@@ -205,6 +219,8 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, cudaStream_t stream) {
   ATLAS_RETURN_IF_ERROR(last_launch_error());
   moe_down_kernel<W><<<dim3(ceil_div(a.hidden, kRowsPerCta), static_cast<unsigned>(a.num_tokens)), kThreads,
                        down_smem, stream>>>(static_cast<const __nv_bfloat16*>(a.act), a.ids, a.weights, a.down,
+                                            static_cast<const __nv_bfloat16*>(a.shared),
+                                            static_cast<const __nv_bfloat16*>(a.shared_gate), a.shared_gate_stride,
                                             a.out, a.top_k, a.num_experts, a.hidden, a.inter);
   return last_launch_error();
 }
@@ -217,7 +233,8 @@ cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
   const int64_t down_smem = 64 + static_cast<int64_t>(a.top_k) * a.inter * 2;
   if (!dims_ok || a.num_tokens < 1 || a.num_tokens * a.top_k > 65535 || a.top_k < 1 ||
       a.top_k > kMoeExpertsMaxTopK || a.num_experts < 1 || down_smem > 227 * 1024 || a.x == nullptr ||
-      a.ids == nullptr || a.weights == nullptr || a.act == nullptr || a.out == nullptr) {
+      a.ids == nullptr || a.weights == nullptr || a.act == nullptr || a.out == nullptr ||
+      (a.shared != nullptr && a.shared_gate == nullptr)) {
     return cudaErrorInvalidValue;
   }
   if (a.nvfp4) {

@@ -25,7 +25,11 @@ struct MoeExpertsArgs {
   ExpertStack down;       // [E, h, I]
   bool nvfp4;             // all three stacks NVFP4 (else all BF16)
   void* act;              // [T·k, I] bf16 scratch: bf16(silu(g)·u) of each (token, slot) pair
-  float* out;             // [T, h] f32 out: Σ_j weights[t, j] · bf16(down_e · act)
+  const void* shared;     // optional [T, h] bf16 contiguous: the shared expert's output
+  const void* shared_gate;   // [T] bf16 logits, element t at shared_gate + t·shared_gate_stride
+  int64_t shared_gate_stride;
+  void* out;              // shared == nullptr: [T, h] f32 = Σ_j weights[t, j] · bf16(down_e · act)
+                          // else: [T, h] bf16 = bf16(that + sigmoid(shared_gate[t]) · shared[t])
   int64_t num_tokens;     // T ≥ 1
   int top_k;              // k, 1..kMoeExpertsMaxTopK
   int num_experts;        // E

@@ -59,14 +59,14 @@ __device__ __forceinline__ void warp_argmax(float& v, int& idx) {
 
 template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kWarpsPerCta * 32) moe_route_kernel(
-    const T* __restrict__ logits,     // [T, E]
-    int64_t num_tokens, int num_experts, int top_k, bool renormalize,
+    const T* __restrict__ logits,     // [T, E], rows row_stride apart
+    int64_t row_stride, int64_t num_tokens, int num_experts, int top_k, bool renormalize,
     int32_t* __restrict__ ids,        // [T, k]
     float* __restrict__ weights) {    // [T, k]
   const int lane = threadIdx.x % 32;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   if (t >= num_tokens) return;        // whole warp exits together
-  const T* row = logits + t * num_experts;
+  const T* row = logits + t * row_stride;
 
   // 1. load: lane owns experts lane + 32·i (−inf pads past E)
   float x[kPerLane];
@@ -120,7 +120,8 @@ cudaError_t launch_typed(const MoeRouteArgs& a, cudaStream_t stream) {
   const T* x = static_cast<const T*>(a.logits);
   const int per_lane = ceil_div(a.num_experts, 32);
   auto run = [&](auto kernel) {
-    kernel<<<grid, block, 0, stream>>>(x, a.num_tokens, a.num_experts, a.top_k, a.renormalize, a.ids, a.weights);
+    kernel<<<grid, block, 0, stream>>>(x, a.row_stride, a.num_tokens, a.num_experts, a.top_k, a.renormalize, a.ids,
+                                       a.weights);
     return last_launch_error();
   };
   if (per_lane <= 1) return run(moe_route_kernel<T, 1>);
@@ -134,7 +135,7 @@ cudaError_t launch_typed(const MoeRouteArgs& a, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_moe_route(const MoeRouteArgs& a, cudaStream_t stream) {
-  if (a.num_tokens < 1 || a.num_experts < 1 || a.num_experts > kMoeRouteMaxExperts || a.top_k < 1 ||
+  if (a.num_tokens < 1 || a.row_stride < a.num_experts || a.num_experts < 1 || a.num_experts > kMoeRouteMaxExperts || a.top_k < 1 ||
       a.top_k > a.num_experts || a.top_k > kMoeRouteMaxTopK || a.logits == nullptr || a.ids == nullptr ||
       a.weights == nullptr || ceil_div<int64_t>(a.num_tokens, kWarpsPerCta) > INT_MAX) {
     return cudaErrorInvalidValue;

@@ -12,7 +12,8 @@ constexpr int kMoeRouteMaxExperts = 1024;  // one warp per row, ≤ 32 logits pe
 constexpr int kMoeRouteMaxTopK = 32;       // lane j keeps slot j
 
 struct MoeRouteArgs {
-  const void* logits;   // [T, E] bf16 | f32, contiguous
+  const void* logits;   // [T, E] bf16 | f32, row t at logits + t · row_stride elements
+  int64_t row_stride;   // ≥ E (E + 1 when the shared-expert gate logit rides along)
   DType dtype;          // kBF16 | kF32
   int64_t num_tokens;   // T ≥ 1
   int num_experts;      // E, 1..kMoeRouteMaxExperts

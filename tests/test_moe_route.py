@@ -175,3 +175,51 @@ def test_moe_experts_kernel_graph_replay():
     ids.copy_(torch.randint(0, 8, (4, 2), generator=g).int())
     graph.replay()
     assert torch.equal(out, ops.moe_experts(x, ids, w, gate, up, down))
+
+
+def test_moe_route_strided_logits():
+    """The first E columns of [router | shared gate] logits route like a contiguous copy."""
+    x = torch.randn(5, 9)
+    assert all(torch.equal(a, b) for a, b in zip(ops.moe_route(x[:, :8], 2), ops.moe_route(x[:, :8].contiguous(), 2)))
+
+
+def test_moe_experts_shared_epilogue():
+    g = _gen("experts-shared")
+    (gate, up, down), _ = _stacks(g, 4, 32, 64, "bf16")
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    ids = torch.randint(0, 4, (3, 2), generator=g).int()
+    w = torch.rand(3, 2, generator=g)
+    shared = torch.randn(3, 64, generator=g).bfloat16()
+    logits = torch.randn(3, 5, generator=g).bfloat16()
+    out = ops.moe_experts(x, ids, w, gate, up, down, shared=shared, shared_gate=logits[:, 4])
+    routed = ops.moe_experts(x, ids, w, gate, up, down)
+    want = (routed + torch.sigmoid(logits[:, 4:].float()) * shared.float()).bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    with pytest.raises(ValueError, match="together"):
+        ops.moe_experts(x, ids, w, gate, up, down, shared=shared)
+
+
+@pytest.mark.cuda
+def test_moe_route_kernel_strided_logits():
+    x = torch.randn(33, 257, device="cuda").bfloat16()
+    ids, w = ops.moe_route(x[:, :256], 8)
+    ids_ref, w_ref = reference.moe_route(x[:, :256].cpu(), 8)
+    assert torch.equal(ids.cpu(), ids_ref)
+    torch.testing.assert_close(w.cpu(), w_ref, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_moe_experts_kernel_shared_epilogue(fmt):
+    g = _gen("experts-shared-cuda", fmt)
+    (gate, up, down), _ = _stacks(g, 16, 512, 2048, fmt)
+    x = torch.randn(4, 2048, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(16, generator=g)[:8] for _ in range(4)]).int()
+    w = torch.rand(4, 8, generator=g)
+    shared = torch.randn(4, 2048, generator=g).bfloat16()
+    logits = torch.randn(4, 17, generator=g).bfloat16()
+    ref = ops.moe_experts(x, ids, w, gate, up, down, shared=shared, shared_gate=logits[:, 16])
+    dev = [t.cuda() for t in (x, ids, w, shared, logits)]
+    out = ops.moe_experts(dev[0], dev[1], dev[2], _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda"),
+                          shared=dev[3], shared_gate=dev[4][:, 16])
+    assert out.dtype == torch.bfloat16 and rel_err(out.cpu(), ref) < 5e-3

@@ -76,8 +76,8 @@ def _record_routing(head: MtpHead) -> list:
     if isinstance(head.ffn, SparseMoE):
         route = head.ffn.route
 
-        def recording(x):
-            ids, w = route(x)
+        def recording(x, logits=None):
+            ids, w = route(x, logits)
             calls.append((torch.nn.functional.linear(x, head.ffn.router).float().cpu(), ids.long().cpu()))
             return ids, w
         head.ffn.route = recording

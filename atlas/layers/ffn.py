@@ -205,13 +205,18 @@ class ExpertBank:
         return self.nbytes // self.num_experts
 
     def __call__(self, x: Tensor, ids: Tensor, weights: Tensor, *, path: str | None = None,
-                 chunk: int = 32) -> Tensor:
+                 chunk: int = 32, shared: Tensor | None = None, shared_gate: Tensor | None = None) -> Tensor:
+        """→ float32 [T, h]; path "kernel" with shared [T, h] bf16 and shared_gate [T] bf16 logits:
+        bf16 [T, h] = bf16(routed + sigmoid(shared_gate) · shared) (ops.moe_experts)."""
         t, k = ids.shape
         if path is None:
             path = self._default_path(x, t, k)
         if path == "kernel":
             pick = (lambda s: s.t) if self.gate.format == "nvfp4" else (lambda s: s.t[0])  # noqa: E731
-            return ops.moe_experts(x, ids, weights, pick(self.gate), pick(self.up), pick(self.down))
+            return ops.moe_experts(x, ids, weights, pick(self.gate), pick(self.up), pick(self.down),
+                                   shared=shared, shared_gate=shared_gate)
+        if shared is not None:
+            raise ValueError("ExpertBank: shared / shared_gate are fused on the 'kernel' path only")
         if path == "gather":
             return self._gather(x, ids, weights)
         if path == "dense":
@@ -266,8 +271,14 @@ class SparseMoE:
 
     def __init__(self, router: Tensor, experts: ExpertBank, shared: DenseMLP | None,
                  shared_gate: Tensor | None, top_k: int, renormalize: bool):
-        self.router, self.experts, self.shared, self.shared_gate = router, experts, shared, shared_gate
-        self.top_k, self.renormalize = top_k, renormalize
+        # One [E (+1), h] BF16 matrix: the router rows, then the shared-expert gate row, so one
+        # GEMV yields both (router / shared_gate below are views of it).
+        self.gates = torch.cat([router] + ([shared_gate] if shared_gate is not None else [])).contiguous()
+        e = router.shape[0]
+        self.router = self.gates[:e]
+        self.shared_gate = self.gates[e:] if shared_gate is not None else None
+        self.experts, self.shared = experts, shared
+        self.num_experts, self.top_k, self.renormalize = e, top_k, renormalize
 
     @classmethod
     def from_state_dict(cls, cfg, state_dict, prefix: str, weight_format: str, device) -> "SparseMoE":
@@ -287,33 +298,43 @@ class SparseMoE:
 
     @property
     def nbytes(self) -> int:
-        n = self.router.numel() * 2 + self.experts.nbytes
+        n = self.gates.numel() * 2 + self.experts.nbytes
         if self.shared is not None:
             n += self.shared.nbytes
         return n
 
     def active_nbytes(self, rows: int = 1) -> int:
-        """Weight bytes one call over `rows` rows must read at least (router, hit experts,
-        shared expert): the floor's numerator. Assumes distinct experts per row (an upper bound
-        on the distinct experts hit, capped at E)."""
-        hit = min(self.experts.num_experts, rows * self.top_k)
-        n = self.router.numel() * 2 + hit * self.experts.expert_nbytes()
+        """Weight bytes one call over `rows` rows must read at least (router and shared gate,
+        hit experts, shared expert): the floor's numerator. Assumes distinct experts per row (an
+        upper bound on the distinct experts hit, capped at E)."""
+        hit = min(self.num_experts, rows * self.top_k)
+        n = self.gates.numel() * 2 + hit * self.experts.expert_nbytes()
         if self.shared is not None:
-            n += self.shared.nbytes + (self.shared_gate.numel() * 2 if self.shared_gate is not None else 0)
+            n += self.shared.nbytes
         return n
 
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [T, h] bf16 → (ids int32 [T, k], weights f32 [T, k]), on the device."""
-        logits = F.linear(x, self.router)                                  # [T, E] bf16
-        return ops.moe_route(logits, self.top_k, self.renormalize)
+    def gate_logits(self, x: Tensor) -> Tensor:
+        """x [T, h] bf16 → [T, E (+1)] bf16: router logits (then the shared-expert gate logit)."""
+        return F.linear(x, self.gates)
+
+    def route(self, x: Tensor, logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [T, h] bf16 (or its gate_logits) → (ids int32 [T, k], weights f32 [T, k]), on the device."""
+        logits = self.gate_logits(x) if logits is None else logits
+        return ops.moe_route(logits[:, :self.num_experts], self.top_k, self.renormalize)
 
     def __call__(self, x: Tensor, *, path: str | None = None) -> Tensor:
-        ids, w = self.route(x)
+        t = x.shape[0]
+        logits = self.gate_logits(x)
+        ids, w = self.route(x, logits)
+        path = path or self.experts._default_path(x, t, self.top_k)
+        if path == "kernel" and self.shared is not None and self.shared_gate is not None:
+            # routed experts + sigmoid(gate)·shared expert combined in moe_experts' epilogue
+            return self.experts(x, ids, w, path=path, shared=self.shared(x), shared_gate=logits[:, self.num_experts])
         out = self.experts(x, ids, w, path=path)                           # [T, h] f32
         if self.shared is not None:
             s = self.shared(x).float()
             if self.shared_gate is not None:
-                s = s * torch.sigmoid(F.linear(x, self.shared_gate).float())  # [T, 1] gate
+                s = s * torch.sigmoid(logits[:, self.num_experts:].float())   # [T, 1] gate
             out = out + s
         return out.to(torch.bfloat16)
 
