@@ -21,7 +21,7 @@
 //         F = bf16(block_scale · 2^119) gives e2m1 · scale · 2^-7 ∈ [2^-17, 21]: normal, exact
 //         (≤ 6 significant bits). The 2^7 and the global scale are applied once, in f32, on the
 //         store: y = acc · (global_scale · 128). Nothing over- or underflows for any e4m3 scale.
-//   pipeline: 4 stages of cp.async (weights and scales with an L2 evict-first policy: they are
+//   pipeline: 5 stages of cp.async (weights and scales with an L2 evict-first policy: they are
 //         read once; activations default policy: every row group re-reads them), one barrier
 //         per 128-k chunk. A stage holds W·16 rows × 64 B of packed weight, W·16 × 8 scale
 //         bytes and MT·8 rows × 256 B of activations (16-byte units XOR-swizzled so the B
@@ -58,7 +58,9 @@ constexpr int kRowBytes = kChunkK / 2;       // 64 packed bytes per row per chun
 constexpr int kScaleBytes = kChunkK / 16;    // 8 block scales per row per chunk
 constexpr int kXRowBytes = kChunkK * 2;      // 256 activation bytes per row per chunk
 constexpr int kXUnits = kXRowBytes / 16;     // 16 units of 8 bf16 per activation row
-constexpr int kStages = 4;                   // cp.async pipeline depth
+constexpr int kStages = 5;                   // cp.async pipeline depth: a CTA with ≤ 4 chunks
+                                             // (K ≤ 512, or 2048 split 4 ways) has all in flight at once
+static_assert(kStages >= 3, "silu converts one stage ahead of the one computed");
 constexpr int kMaxWarps = 4;
 constexpr int kMaxDevices = 64;             // per-device launch attribute bookkeeping
 constexpr float kScaleBias = 0x1p119f;       // block scale · 2^119 fits bf16 (448·2^119 < 2^128)
@@ -313,7 +315,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
 
-  // ---- main loop: 4-stage cp.async pipeline, one barrier per chunk ----
+  // ---- main loop: cp.async pipeline, kStages − 1 chunks ahead, one barrier per chunk ----
 #pragma unroll
   for (int p = 0; p < kStages - 1; ++p) {
     if (c_begin + p < c_end) issue_stage(p, c_begin + p);
@@ -326,17 +328,19 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
       convert_stage(0);
     }
   }
+  int slot = 0;                                  // stage slot of chunk c
   for (int c = c_begin; c < c_end; ++c) {
-    const int i = c - c_begin;
+    const int prev = slot == 0 ? kStages - 1 : slot - 1, next = slot == kStages - 1 ? 0 : slot + 1;
     // plain: chunk c landed; silu: chunk c + 1 landed too (it is converted below)
     if constexpr (kSilu) cp_async_wait<kStages - 3>(); else cp_async_wait<kStages - 2>();
     __syncthreads();  // chunk c visible to all; every warp is done with chunk c − 1's slot
-    if (c + kStages - 1 < c_end) issue_stage((i + kStages - 1) % kStages, c + kStages - 1);
+    if (c + kStages - 1 < c_end) issue_stage(prev, c + kStages - 1);  // into chunk c − 1's slot
     cp_async_commit();
     if constexpr (kSilu) {
-      if (c + 1 < c_end) convert_stage((i + 1) % kStages);
+      if (c + 1 < c_end) convert_stage(next);
     }
-    if (warp_has_rows) compute_stage(i % kStages);
+    if (warp_has_rows) compute_stage(slot);
+    slot = next;
   }
 
   // ---- store: y = acc · global_scale · 2^7 (one f32 multiply, one rounding to the output) ----
