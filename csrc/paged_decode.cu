@@ -630,6 +630,10 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   if (device >= kMaxDevices) return cudaErrorInvalidDevice;
   if (!opted_in[device]) {  // a race only sets the attribute twice
     ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    // All of the unified L1/smem as smem: 2 (bf16 hd 256) or 3 (fp8 hd 256: 3 × 76.8 KB) CTAs
+    // per SM need it; L1 only caches block-table reads (KV goes through cp.async.cg).
+    ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                               (int)cudaSharedmemCarveoutMaxShared));
     opted_in[device] = true;
   }
   const dim3 grid(pb.a.max_splits * pb.row_groups, pb.a.num_kv_heads, pb.a.batch);
