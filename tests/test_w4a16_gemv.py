@@ -14,8 +14,10 @@ from helpers import poison_, rel_err
 # Tolerances (normwise, vs the float32 reference before any rounding):
 #   bf16 out: rounding to bf16 is ≤ 2^-8 relative per element (half an ulp, ulp ≤ 2^-7·|v|),
 #             so ≤ 2^-8 normwise (≈ 1.7e-3 typical); f32 accumulation adds < 1e-5.
-#   f32 out : only the order of the f32 sums differs (tensor-core k16 steps, split-K): ~1e-6.
-TOL = {torch.bfloat16: 2.0 ** -8 + 1e-4, torch.float32: 2e-5}
+#   f32 out : only the f32 summation differs (tensor-core k16 steps whose internal accumulation
+#             may keep fewer than 24 bits, split-K order): ~1e-6 expected, 1e-4 allowed (still
+#             17× below one bf16 rounding, so a bf16-rounded f32 path fails it).
+TOL = {torch.bfloat16: 2.0 ** -8 + 1e-4, torch.float32: 1e-4}
 
 # (N, K) of the issue: Qwen3.6-27B and Qwen3.5/3.6-35B-A3B projections (LM heads K-sliced in
 # the CUDA sweep so the float32 reference stays small)
