@@ -967,6 +967,57 @@ def _(table, ids):
     return table.new_empty(ids.shape[0], table.shape[1])
 
 
+def embedding_norm_concat(table: Tensor, ids: Tensor, hidden: Tensor, w_embed: Tensor, w_hidden: Tensor,
+                          eps: float, zero_centered: bool) -> Tensor:
+    """The MTP head's fc input in one launch: [rms_norm(table[ids], w_embed) | rms_norm(hidden, w_hidden)].
+
+    Args:
+        table: [V, h] bf16 contiguous (embed_tokens); ids: int32|int64 [T] in [0, V) (checked on
+            CPU; on the GPU a bad id normalizes a zero row); hidden: [T, h] bf16, last dim
+            contiguous (row stride % 8 == 0); w_embed, w_hidden: [h] float32 norm weights;
+            eps; zero_centered: weight 1 + w (Qwen3-Next family) or w. h % 8 == 0, ≤ 8192.
+    Returns:
+        [T, 2h] bf16 (reference.embedding_norm_concat; each half equals ops.rms_norm of it up to
+        float32 summation order).
+    """
+    op = "embedding_norm_concat"
+    check_tensor(op, "table", table, dtype=torch.bfloat16, ndim=2, contiguous=True, what="bf16 [V, h]")
+    v, h = table.shape
+    check_tensor(op, "ids", ids, dtypes=(torch.int32, torch.int64), ndim=1, device=table.device,
+                 what="int32|int64 [T]")
+    t = ids.shape[0]
+    check_tensor(op, "hidden", hidden, dtype=torch.bfloat16, shape=(t, h), device=table.device, what="bf16 [T, h]")
+    for name, w in (("w_embed", w_embed), ("w_hidden", w_hidden)):
+        check_tensor(op, name, w, dtype=torch.float32, shape=(h,), device=table.device, contiguous=True,
+                     what="float32 [h]")
+    if h % 8 or h > 8192 or t > MAX_GRID_ROWS:
+        raise ValueError(f"{op}: needs h % 8 == 0, h ≤ 8192 and T ≤ {MAX_GRID_ROWS}, got h = {h}, T = {t}")
+    if t > 0 and (hidden.stride(1) != 1 or (t > 1 and hidden.stride(0) % 8)):
+        hidden = hidden.contiguous()
+    if not ids.is_cuda and t > 0:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= v:
+            raise ValueError(f"{op}: ids must be in [0, {v}), got values in [{lo}, {hi}]")
+    if use_kernel(table, ids, hidden):
+        return torch.ops.atlas.embedding_norm_concat(table, ids.contiguous(), hidden, w_embed, w_hidden,
+                                                     float(eps), bool(zero_centered))
+    return reference.embedding_norm_concat(table, ids, hidden, w_embed, w_hidden, eps, zero_centered)
+
+
+@torch.library.custom_op("atlas::embedding_norm_concat", mutates_args=())
+def _embedding_norm_concat_kernel(table: Tensor, ids: Tensor, hidden: Tensor, w_embed: Tensor, w_hidden: Tensor,
+                                  eps: float, zero_centered: bool) -> Tensor:
+    out = torch.empty(ids.shape[0], 2 * table.shape[1], dtype=torch.bfloat16, device=table.device)
+    if ids.shape[0] > 0:
+        _C.embedding_norm_concat(table, ids, hidden, w_embed, w_hidden, out, eps, zero_centered)
+    return out
+
+
+@_embedding_norm_concat_kernel.register_fake
+def _(table, ids, hidden, w_embed, w_hidden, eps, zero_centered):
+    return table.new_empty(ids.shape[0], 2 * table.shape[1])
+
+
 def _expert_stack(op: str, name: str, s, shape_nk, device):
     """A stack of E expert weights [E, N, K]: bf16 Tensor, or (packed uint8 [E, N, K/2],
     block_scale e4m3 [E, N, K/16], global_scale f32 [E]). Returns (tensors, is_nvfp4)."""

@@ -339,6 +339,17 @@ def embedding(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, ids.long())
 
 
+def embedding_norm_concat(table: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor, w_embed: torch.Tensor,
+                          w_hidden: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """The MTP fc input: [rms_norm(table[ids], w_embed) | rms_norm(hidden, w_hidden)] → bf16 [T, 2h]
+    (each half float32 math, one bf16 rounding, as rms_norm)."""
+    def norm(x, w):
+        xf = x.float()
+        wf = w.float() + 1.0 if zero_centered else w.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * wf).to(torch.bfloat16)
+    return torch.cat([norm(embedding(table, ids), w_embed), norm(hidden, w_hidden)], dim=-1)
+
+
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor,
                 up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Routed SwiGLU experts over expert ids: x [T, h] bf16, ids int [T, k], weights f32 [T, k],

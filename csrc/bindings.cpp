@@ -16,6 +16,7 @@
 #include "moe_route.h"
 #include "moe_experts.h"
 #include "moe_experts.h"
+#include "moe_experts.h"
 #include "paged_decode.h"
 #include "w4a16_gemv.h"
 #include "qk_norm_rope.h"
@@ -458,6 +459,34 @@ void embedding(const torch::Tensor& table,   // [V, h] bf16 contiguous
   check_cuda(atlas::launch_embedding(a, current_stream(table)), "embedding");
 }
 
+void embedding_norm_concat(const torch::Tensor& table,      // [V, h] bf16 contiguous
+                           const torch::Tensor& ids,        // [T] int32|int64 contiguous
+                           const torch::Tensor& hidden,     // [T, h] bf16, rows strided
+                           const torch::Tensor& w_embed,    // [h] f32
+                           const torch::Tensor& w_hidden,   // [h] f32
+                           torch::Tensor& out,              // [T, 2h] bf16 (out)
+                           double eps, bool zero_centered) {
+  CHECK_CUDA_TENSOR(table); CHECK_CUDA_TENSOR(ids); CHECK_CUDA_TENSOR(hidden); CHECK_CONTIGUOUS(table);
+  CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(w_embed); CHECK_CONTIGUOUS(w_hidden); CHECK_CONTIGUOUS(out);
+  const int64_t t = ids.size(0), h = table.size(1);
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == torch::kBFloat16, "embedding_norm_concat: table must be bf16 [V, h]");
+  TORCH_CHECK(ids.dim() == 1 && (ids.scalar_type() == torch::kInt32 || ids.scalar_type() == torch::kInt64),
+              "embedding_norm_concat: ids must be int32|int64 [T]");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == t && hidden.size(1) == h && hidden.stride(1) == 1 &&
+              hidden.scalar_type() == torch::kBFloat16, "embedding_norm_concat: hidden must be bf16 [T, h]");
+  TORCH_CHECK(w_embed.numel() == h && w_hidden.numel() == h && w_embed.scalar_type() == torch::kFloat &&
+              w_hidden.scalar_type() == torch::kFloat, "embedding_norm_concat: norm weights must be f32 [h]");
+  TORCH_CHECK(out.numel() == t * 2 * h && out.scalar_type() == torch::kBFloat16, "embedding_norm_concat: out must be bf16 [T, 2h]");
+  const c10::cuda::CUDAGuard guard(table.device());
+  atlas::EmbeddingNormConcatArgs a{};
+  a.table = table.data_ptr(); a.ids = ids.data_ptr(); a.ids_int64 = ids.scalar_type() == torch::kInt64;
+  a.hidden = hidden.data_ptr(); a.hidden_stride = t > 1 ? hidden.stride(0) : h;
+  a.w_embed = w_embed.data_ptr<float>(); a.w_hidden = w_hidden.data_ptr<float>(); a.out = out.data_ptr();
+  a.num_tokens = t; a.vocab = table.size(0); a.hidden_size = static_cast<int>(h);
+  a.eps = static_cast<float>(eps); a.zero_centered = zero_centered;
+  check_cuda(atlas::launch_embedding_norm_concat(a, current_stream(table)), "embedding_norm_concat");
+}
+
 namespace moe {
 // One expert stack: bf16 [E, N, K] (scale, gs undefined) or NVFP4 packed [E, N, K/2] + e4m3 [E, N, K/16] + f32 [E].
 atlas::ExpertStack stack(const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
@@ -547,6 +576,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax", &argmax, "logits [R,V] bf16|f32 -> ids int64 [R] (lowest index wins), top-1 softmax prob f32 [R]");
   m.def("moe_route", &moe_route, "router logits [T,E] -> top-k expert ids int32 [T,k], f32 softmax weights [T,k]");
   m.def("moe_experts", &moe_experts, "routed SwiGLU experts over device ids [T,k] (bf16|nvfp4 stacks) -> f32 [T,h]");
+  m.def("embedding_norm_concat", &embedding_norm_concat, "MTP fc input [rmsnorm(embed[ids]) | rmsnorm(hidden)] -> bf16 [T,2h]");
   m.def("embedding", &embedding, "table [V,h] bf16 rows by device ids [T] -> [T,h] bf16 (bad id -> zero row)");
   // ---- small fused kernels for layers (norm, rope, gating, argmax, moe; insert defs above this line) ----
 }

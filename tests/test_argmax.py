@@ -146,3 +146,42 @@ def test_embedding_kernel(h, id_dtype):
     bad = torch.tensor([5, 1000, -1], dtype=id_dtype, device="cuda")   # GPU: zero rows, no fault
     out = ops.embedding(table, bad)
     assert torch.equal(out[0], table[5]) and not out[1:].any()
+
+
+# ---- embedding_norm_concat (the MTP fc input) -------------------------------------------------
+
+@pytest.mark.parametrize("zero_centered", [True, False])
+def test_embedding_norm_concat_is_two_rms_norms(zero_centered):
+    g = _gen("enc", zero_centered)
+    table = torch.randn(50, 64, generator=g).bfloat16()
+    ids = torch.randint(0, 50, (7,), generator=g)
+    hidden = (torch.randn(7, 64, generator=g) * 30).bfloat16()
+    we, wh = torch.randn(64, generator=g) * 0.1, torch.randn(64, generator=g) * 0.1
+    out = ops.embedding_norm_concat(table, ids, hidden, we, wh, 1e-6, zero_centered)
+    want = torch.cat([ops.rms_norm(table[ids], we, 1e-6, zero_centered), ops.rms_norm(hidden, wh, 1e-6, zero_centered)], -1)
+    assert out.shape == (7, 128) and torch.equal(out, want)
+
+
+def test_embedding_norm_concat_rejects():
+    t = torch.randn(10, 16).bfloat16()
+    w = torch.zeros(16)
+    with pytest.raises(ValueError, match="ids must be in"):
+        ops.embedding_norm_concat(t, torch.tensor([10]), t[:1], w, w, 1e-6, True)
+    with pytest.raises(ValueError, match="hidden"):
+        ops.embedding_norm_concat(t, torch.tensor([1, 2]), t[:1], w, w, 1e-6, True)
+    with pytest.raises(TypeError, match="w_hidden"):
+        ops.embedding_norm_concat(t, torch.tensor([1]), t[:1], w, w.bfloat16(), 1e-6, True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("h,t", [(2048, 1), (2048, 32), (5120, 8), (64, 3)])
+def test_embedding_norm_concat_kernel(h, t):
+    g = _gen("enc-cuda", h, t)
+    table = torch.randn(1000, h, generator=g).bfloat16()
+    ids = torch.randint(0, 1000, (t,), generator=g)
+    hidden = (torch.randn(t, 2 * h, generator=g) * 10).bfloat16()[:, :h]      # strided rows
+    we, wh = torch.randn(h, generator=g) * 0.1, torch.randn(h, generator=g) * 0.1
+    ref = reference.embedding_norm_concat(table, ids, hidden, we, wh, 1e-6, True)
+    out = ops.embedding_norm_concat(table.cuda(), ids.cuda(), hidden.cuda(), we.cuda(), wh.cuda(), 1e-6, True)
+    # float32 sum-of-squares order and rsqrtf: at most one bf16 ulp apart
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=2 ** -7, atol=1e-6)

@@ -235,9 +235,9 @@ class MtpHead:
         """The forward of the module docstring with meta.positions already = RoPE positions.
         kv_only: stop once the attention layer has written this step's K/V (prefill, accept)."""
         rms = lambda x, w: ops.rms_norm(x, w, self.eps, self.zero_centered)  # noqa: E731
-        e = rms(ops.embedding(self.embed_tokens, tokens), self.norm_embedding)           # [T, h]
-        hh = rms(target_hidden, self.norm_hidden)                                         # [T, h]
-        x = self.fc(torch.cat([e, hh], dim=-1))                                           # [T, h]
+        x = ops.embedding_norm_concat(self.embed_tokens, tokens, target_hidden, self.norm_embedding,
+                                      self.norm_hidden, self.eps, self.zero_centered)     # [T, 2h] = [e | hh]
+        x = self.fc(x)                                                                    # [T, h]
         a = self.attn(rms(x, self.input_layernorm), meta, self.cache, 0)
         if kv_only:
             return None
