@@ -27,6 +27,10 @@
 //         bytes and MT·8 rows × 256 B of activations (16-byte units XOR-swizzled so the B
 //         fragment loads are bank-conflict free). silu variant: raw gate/up are staged and
 //         converted to the bf16 activation one stage ahead (f32 silu·up, RNE to bf16).
+//   launch: programmatic dependent launch. The prologue's weight and scale loads are issued
+//         before griddepcontrol.wait (weights are constants: no kernel before this one writes
+//         them), activations and outputs only after it; launch_dependents after the main loop
+//         lets the next kernel's prologue overlap this epilogue.
 //   split-K: S CTAs of a cluster each sum a contiguous K range; partials [16W, 8MT] f32 go to
 //         shared memory and rank r sums elements r, r+S·threads, … over ranks 0..S−1 in order
 //         through distributed shared memory (fixed order: deterministic, no atomics).
@@ -223,8 +227,8 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(args.x);    // [M, K]
   const __nv_bfloat16* up = static_cast<const __nv_bfloat16*>(args.up);  // [M, K] (silu)
 
-  // Stage `slot` ← chunk c: weights, scales, activations (raw gate/up for silu).
-  auto issue_stage = [&](int slot, int c) {
+  // Stage `slot` ← chunk c's weights and scales (never written by the kernels before this one).
+  auto issue_weights = [&](int slot, int c) {
     uint8_t* st = smem + slot * lay.bytes;
     const int k0 = c * kChunkK;
     if constexpr (kVec) {
@@ -254,6 +258,12 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
             ok ? __ldg(wt.block_scale + static_cast<int64_t>(n) * (K / 16) + kk / 16) : uint8_t(0);
       }
     }
+  };
+
+  // Stage `slot` ← chunk c's activations (raw gate/up for silu): the previous kernel's output.
+  auto issue_acts = [&](int slot, int c) {
+    uint8_t* st = smem + slot * lay.bytes;
+    const int k0 = c * kChunkK;
     for (int p = tid; p < M * kXUnits; p += nthreads) {                 // 8 bf16 per unit
       const int r = p / kXUnits, u = p % kXUnits, kk = k0 + 8 * u;
       const bool ok = kk < K;
@@ -315,10 +325,17 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
 
-  // ---- main loop: cp.async pipeline, kStages − 1 chunks ahead, one barrier per chunk ----
+  // ---- prologue: the first kStages − 1 chunks' weights stream in before the previous kernel
+  // is waited for (programmatic dependent launch; a no-op wait without it), then activations.
+  // Group 0 holds all prologue weights and chunk 0's activations, group p chunk p's.
 #pragma unroll
   for (int p = 0; p < kStages - 1; ++p) {
-    if (c_begin + p < c_end) issue_stage(p, c_begin + p);
+    if (c_begin + p < c_end) issue_weights(p, c_begin + p);
+  }
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x / gate / up and out are now safe
+#pragma unroll
+  for (int p = 0; p < kStages - 1; ++p) {
+    if (c_begin + p < c_end) issue_acts(p, c_begin + p);
     cp_async_commit();
   }
   if constexpr (kSilu) {
@@ -334,7 +351,10 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     // plain: chunk c landed; silu: chunk c + 1 landed too (it is converted below)
     if constexpr (kSilu) cp_async_wait<kStages - 3>(); else cp_async_wait<kStages - 2>();
     __syncthreads();  // chunk c visible to all; every warp is done with chunk c − 1's slot
-    if (c + kStages - 1 < c_end) issue_stage(prev, c + kStages - 1);  // into chunk c − 1's slot
+    if (c + kStages - 1 < c_end) {                 // into chunk c − 1's slot
+      issue_weights(prev, c + kStages - 1);
+      issue_acts(prev, c + kStages - 1);
+    }
     cp_async_commit();
     if constexpr (kSilu) {
       if (c + 1 < c_end) convert_stage(next);
@@ -342,6 +362,8 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     if (warp_has_rows) compute_stage(slot);
     slot = next;
   }
+  // The next kernel may start launching (it waits for this whole grid before reading y).
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   // ---- store: y = acc · global_scale · 2^7 (one f32 multiply, one rounding to the output) ----
   const float factor = __ldg(wt.global_scale) * kOutBias;
@@ -405,13 +427,25 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
   cfg.blockDim = dim3(warps * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = grid.x;  // the S splits of one row group form a cluster
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[2];
+  int num_attrs = 0;
+  if (grid.x > 1) {                   // the S splits of one row group form a cluster
+    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attr[num_attrs].val.clusterDim.x = grid.x;
+    attr[num_attrs].val.clusterDim.y = 1;
+    attr[num_attrs].val.clusterDim.z = 1;
+    ++num_attrs;
+  }
+  // Programmatic dependent launch: the prologue's weight loads overlap the previous kernel's
+  // tail (the kernel waits for it before touching activations or outputs). A plain launch
+  // where the attribute is refused.
+  attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = grid.x > 1 ? 1 : 0;
+  cfg.numAttrs = num_attrs + 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, a, groups0, chunks_per_split) == cudaSuccess) return cudaSuccess;
+  (void)cudaGetLastError();           // clear the refusal
+  cfg.numAttrs = num_attrs;
   ATLAS_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a, groups0, chunks_per_split));
   return last_launch_error();
 }
