@@ -42,13 +42,13 @@ if has info; then
   cat "$OUT/info.log" | tail -15
 fi
 if has test; then
-  run_stage test test.log python3 -m pytest -m cuda -q -x --durations=15 -p no:cacheprovider
-  grep -E "FAILED|Error|error" "$OUT/test.log" | head -30
+  run_stage test test.log python3 -m pytest -m cuda -q --timeout=180 --durations=15 -p no:cacheprovider
+  grep -E "^(FAILED|ERROR)" "$OUT/test.log" | cut -c1-200 | head -40
 fi
 if has memcheck; then
   # The whole CUDA suite once under memcheck (slow: the heaviest shapes are marked `slow`).
   run_stage memcheck memcheck.log compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 20 \
-    python3 -m pytest -m "cuda and not slow" -q -x -p no:cacheprovider
+    python3 -m pytest -m "cuda and not slow" -q -x --timeout=600 -p no:cacheprovider
   grep -E "ERROR SUMMARY|Invalid|FAILED" "$OUT/memcheck.log" | head -20
 fi
 if has bench || has bench-quick; then
