@@ -428,15 +428,18 @@ def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale):
 
 PAGED_DECODE_HEAD_DIMS = (64, 128, 256)   # kernel instances (csrc/paged_decode.cu); CPU: the same
 PAGED_DECODE_MAX_Q_LEN = 8                # verify groups of up to 8 rows (kPagedDecodeMaxQLen)
-# Split-K rule, mirrored from csrc/paged_decode.h (paged_decode_split / paged_decode_max_splits):
-# only the workspace size depends on it here; the binding checks the size against the C++ rule.
+# Split-K rule, mirrored from csrc/paged_decode.h (paged_decode_split_cap / _max_splits): only
+# the workspace size depends on it here; the binding checks the size against the C++ rule.
 _PAGED_DECODE_MIN_SPLIT_LEN = 256
 _PAGED_DECODE_MAX_SPLITS = 128
+_PAGED_DECODE_TARGET_CTAS = 256
 
 
-def paged_decode_max_splits(capacity: int) -> int:
-    """Split slots the workspace needs for sequences of ≤ capacity = max_blocks · bs tokens."""
-    return max(1, min(_PAGED_DECODE_MAX_SPLITS, -(-capacity // _PAGED_DECODE_MIN_SPLIT_LEN)))
+def paged_decode_max_splits(capacity: int, num_kv_heads: int) -> int:
+    """Split slots the workspace needs for sequences of ≤ capacity = max_blocks · bs tokens:
+    ceil(capacity / 256) capped at clamp(256 // nkv, 16, 128)."""
+    cap = max(16, min(_PAGED_DECODE_MAX_SPLITS, _PAGED_DECODE_TARGET_CTAS // max(num_kv_heads, 1)))
+    return max(1, min(cap, -(-capacity // _PAGED_DECODE_MIN_SPLIT_LEN)))
 
 
 def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -590,7 +593,7 @@ def _paged_decode_kernel(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_
     b, q_len, nq, hd = query.shape
     nkv = k_cache.shape[2]
     rows = (nq // nkv) * q_len
-    splits = paged_decode_max_splits(block_tables.shape[1] * k_cache.shape[1])
+    splits = paged_decode_max_splits(block_tables.shape[1] * k_cache.shape[1], nkv)
     lse = torch.empty(b, q_len, nq, dtype=torch.float32, device=query.device)
     if splits > 1:   # graph-safe: allocated from the caching allocator, never read uninitialized
         partial_o = torch.empty(b, nkv, splits, rows, hd, dtype=torch.float32, device=query.device)

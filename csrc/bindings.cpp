@@ -247,9 +247,9 @@ void paged_decode(const torch::Tensor& query,                       // [B, q_len
               "paged_decode: k_scale, v_scale are required for an e4m3 cache and must be absent for bf16");
   const int64_t max_blocks = block_tables.size(1);
   TORCH_CHECK(max_blocks >= 1 && max_blocks * bs < (int64_t{1} << 31), "paged_decode: need 1 <= max_blocks, max_blocks * bs < 2^31");
-  TORCH_CHECK(max_splits == atlas::paged_decode_max_splits(max_blocks * bs),
-              "paged_decode: max_splits must be paged_decode_max_splits(max_blocks * bs) = ",
-              atlas::paged_decode_max_splits(max_blocks * bs), ", got ", max_splits);
+  TORCH_CHECK(max_splits == atlas::paged_decode_max_splits(max_blocks * bs, static_cast<int>(nkv)),
+              "paged_decode: max_splits must be paged_decode_max_splits(max_blocks * bs, nkv) = ",
+              atlas::paged_decode_max_splits(max_blocks * bs, static_cast<int>(nkv)), ", got ", max_splits);
   const c10::cuda::CUDAGuard guard(query.device());
   atlas::PagedDecodeArgs a{};
   a.query = query.data_ptr();

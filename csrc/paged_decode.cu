@@ -14,7 +14,7 @@
 //   CTAs, each re-reading the split's KV); M_TILES = ceil(rows / 16) MMA row tiles. So every KV
 //   row a CTA reads serves all of its query rows: KV is read once per kv head, not per q head.
 //   Split s of a sequence covers positions [s·chunk, min((s+1)·chunk, L)) (paged_decode_split:
-//   a function of L alone → batch-invariant bits); CTAs past the sequence's split count exit.
+//   a function of L and nkv alone → batch-invariant bits); CTAs past the split count exit.
 //   The grid is sized from host-known bounds only (max_blocks · bs), so it is graph-capturable.
 //
 //   Per 32-position KV tile (kTileN), in shared memory as [32][hd] rows with a 16-byte-chunk
@@ -202,7 +202,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   const int b = blockIdx.z;                                    // sequence
   const int capacity = a.max_blocks * a.block_size;
   const int seq_len = min(max(a.seq_lens[b], 0), capacity);
-  const PagedDecodeSplit plan = paged_decode_split(seq_len);
+  const PagedDecodeSplit plan = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads));
   if (split >= plan.count) return;                             // whole CTA: no barrier skipped
   const int kv_begin = split * plan.chunk;
   const int kv_end = min(kv_begin + plan.chunk, seq_len);      // ≥ kv_begin
@@ -525,7 +525,7 @@ paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
   const int slice = blockIdx.x % slices, rest = blockIdx.x / slices;
   const int gr = rest % pb.rows_total, kvh = rest / pb.rows_total, b = blockIdx.y;
   const int seq_len = min(max(a.seq_lens[b], 0), a.max_blocks * a.block_size);
-  const int count = paged_decode_split(seq_len).count;
+  const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
   if (count <= 1) return;                       // written by the attention kernel
 
   __shared__ float weight[kPagedDecodeMaxSplits];     // 2^(λ_s − max λ)
@@ -662,7 +662,7 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
       a.num_q_heads < 1 || a.num_q_heads % a.num_kv_heads != 0 ||
       (a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256) || a.block_size < 1 ||
       a.num_blocks < 0 || a.max_blocks < 1 || (int64_t)a.max_blocks * a.block_size > (1ll << 31) - 1 ||
-      a.max_splits != paged_decode_max_splits((int64_t)a.max_blocks * a.block_size) ||
+      a.max_splits != paged_decode_max_splits((int64_t)a.max_blocks * a.block_size, a.num_kv_heads) ||
       (a.max_splits > 1 && (a.partial_o == nullptr || a.partial_lse == nullptr)) ||
       !(a.softmax_scale > 0.f) || a.softmax_scale == INFINITY)
     return cudaErrorInvalidValue;

@@ -32,31 +32,40 @@ struct PagedDecodeArgs {
   int block_size;              // bs ≥ 1 (any: 16, 528, ...)
   int num_blocks;              // rows of the cache pools
   int max_blocks;              // columns of block_tables
-  int max_splits;              // paged_decode_max_splits(max_blocks · bs): workspace split slots
+  int max_splits;              // paged_decode_max_splits(max_blocks · bs, nkv): workspace split slots
   float softmax_scale;         // scores = softmax_scale · q·k (finite, > 0)
   DType kv_dtype;              // kBF16 | kE4M3
 };
 
 constexpr int kPagedDecodeMaxQLen = 8;
 
-// Split-K rule (flash-decoding). It depends on the sequence's own seq_len only, never on the
-// batch, so a sequence's output bits do not depend on what else is in the batch. A sequence of
-// L tokens gets nominal = clamp(ceil(L / kPagedDecodeMinSplitLen), 1, kPagedDecodeMaxSplits)
+// Split-K rule (flash-decoding). It depends on the sequence's own seq_len (and the layer's
+// kv-head count) only, never on the batch, so a sequence's output bits do not depend on what
+// else is in the batch. A sequence of L tokens gets
+//   nominal = clamp(ceil(L / kPagedDecodeMinSplitLen), 1, cap),   cap = paged_decode_split_cap(nkv)
 // splits of chunk = round_up(ceil(L / nominal), kPagedDecodeTileN) positions; the count that
-// actually holds positions is ceil(L / chunk) ≤ nominal.
+// actually holds positions is ceil(L / chunk) ≤ nominal. cap = clamp(256 / nkv, 16, 128): at
+// B = 1 a long sequence still fills ~2 CTAs per SM of the H200's 132 (nkv · cap ≈ 256 CTAs),
+// while more kv heads need fewer splits, and so less partial-O traffic, to get there.
 constexpr int kPagedDecodeTileN = 32;         // KV positions per shared-memory tile
-constexpr int kPagedDecodeMinSplitLen = 256;  // fewer positions per split: partial O traffic > ~3%
-constexpr int kPagedDecodeMaxSplits = 128;    // L ≤ 32K keeps 256-position splits
+constexpr int kPagedDecodeMinSplitLen = 256;  // 8 tiles; partial O ≈ 4·rows / (256·elem) of the KV bytes
+constexpr int kPagedDecodeMaxSplits = 128;    // largest cap (nkv ≤ 2)
+constexpr int kPagedDecodeTargetCtas = 256;   // kv heads × splits wanted for one long sequence
 
 struct PagedDecodeSplit {
   int chunk;  // positions per split, a multiple of kPagedDecodeTileN
   int count;  // splits holding positions (1 when L == 0)
 };
 
-__host__ __device__ inline PagedDecodeSplit paged_decode_split(int seq_len) {
+__host__ __device__ inline int paged_decode_split_cap(int num_kv_heads) {
+  const int cap = kPagedDecodeTargetCtas / (num_kv_heads > 0 ? num_kv_heads : 1);
+  return cap < 16 ? 16 : (cap > kPagedDecodeMaxSplits ? kPagedDecodeMaxSplits : cap);
+}
+
+__host__ __device__ inline PagedDecodeSplit paged_decode_split(int seq_len, int cap) {
   const int len = seq_len > 0 ? seq_len : 0;
   int nominal = (len + kPagedDecodeMinSplitLen - 1) / kPagedDecodeMinSplitLen;
-  nominal = nominal < 1 ? 1 : (nominal > kPagedDecodeMaxSplits ? kPagedDecodeMaxSplits : nominal);
+  nominal = nominal < 1 ? 1 : (nominal > cap ? cap : nominal);
   const int per = ((len > 0 ? len : 1) + nominal - 1) / nominal;
   const int chunk = (per + kPagedDecodeTileN - 1) / kPagedDecodeTileN * kPagedDecodeTileN;
   const int count = len > 0 ? (len + chunk - 1) / chunk : 1;
@@ -65,9 +74,10 @@ __host__ __device__ inline PagedDecodeSplit paged_decode_split(int seq_len) {
 
 // Workspace split slots for sequences of at most `capacity` = max_blocks · bs tokens: the
 // nominal count at the capacity bounds every sequence's count (it is monotone in L).
-__host__ __device__ inline int paged_decode_max_splits(int64_t capacity) {
+__host__ __device__ inline int paged_decode_max_splits(int64_t capacity, int num_kv_heads) {
+  const int64_t cap = paged_decode_split_cap(num_kv_heads);
   const int64_t n = (capacity + kPagedDecodeMinSplitLen - 1) / kPagedDecodeMinSplitLen;
-  return n < 1 ? 1 : (n > kPagedDecodeMaxSplits ? kPagedDecodeMaxSplits : static_cast<int>(n));
+  return n < 1 ? 1 : static_cast<int>(n > cap ? cap : n);
 }
 
 // One or two launches on `stream` (attention, then the split combine when max_splits > 1);

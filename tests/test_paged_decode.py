@@ -158,11 +158,14 @@ def test_ops_cpu_out_and_lse():
 
 
 def test_max_splits_rule():
-    assert ops.paged_decode_max_splits(1) == 1
-    assert ops.paged_decode_max_splits(256) == 1
-    assert ops.paged_decode_max_splits(257) == 2
-    assert ops.paged_decode_max_splits(32768) == 128
-    assert ops.paged_decode_max_splits(10 ** 6) == 128
+    assert ops.paged_decode_max_splits(1, 2) == 1
+    assert ops.paged_decode_max_splits(256, 2) == 1
+    assert ops.paged_decode_max_splits(257, 2) == 2
+    assert ops.paged_decode_max_splits(32768, 2) == 128
+    assert ops.paged_decode_max_splits(10 ** 6, 1) == 128
+    assert ops.paged_decode_max_splits(32768, 4) == 64      # ~256 CTAs for one sequence
+    assert ops.paged_decode_max_splits(32768, 8) == 32
+    assert ops.paged_decode_max_splits(32768, 64) == 16
 
 
 # ---- validation: one negative test per rule, matched on the argument name ---------------------

@@ -129,7 +129,7 @@ int run_case(const Case& c, std::mt19937& rng) {
     if (c.batch > 1) seq_lens[1] = -5;
   }
 
-  const int splits = atlas::paged_decode_max_splits(int64_t(max_blocks) * c.bs);
+  const int splits = atlas::paged_decode_max_splits(int64_t(max_blocks) * c.bs, c.nkv);
   const int rows = group * c.q_len;
   DevBuf<__nv_bfloat16> d_q(query.size()), d_out(query.size());
   DevBuf<uint8_t> d_k(cache[0].size()), d_v(cache[1].size());
