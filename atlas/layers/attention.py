@@ -162,13 +162,6 @@ class Qwen3AttentionLayer:
         from atlas.checkpoint import load_attention_layer
         return load_attention_layer(path, layer_idx, weight_format=weight_format, device=device)
 
-    @classmethod
-    def from_pretrained(cls, path, layer_idx: int, *, weight_format: str, device="cuda") -> "Qwen3AttentionLayer":
-        """Full-attention layer `layer_idx` of the checkpoint at `path` (config.json + safetensors,
-        any dialect); see atlas.checkpoint.load_attention_layer."""
-        from atlas.checkpoint import load_attention_layer
-        return load_attention_layer(path, layer_idx, weight_format=weight_format, device=device)
-
     @property
     def device(self) -> torch.device:
         return self.q_norm_weight.device
@@ -269,11 +262,14 @@ class Qwen3AttentionLayer:
             c0 += nc
 
     # ---- CUDA graph of one decode / verify step ----------------------------------------------
-    def capture_decode(self, batch_size: int, cache: PagedKvCache, layer: int = 0, *,
-                       max_blocks_per_seq: int, query_len: int = 1) -> "DecodeGraph":
+    def capture_decode(self, batch_size: int, cache: PagedKvCache, layer: int = 0,
+                       max_blocks_per_seq: Optional[int] = None, *, query_len: int = 1) -> "DecodeGraph":
         """Capture one step of `batch_size` sequences × `query_len` rows (1 = decode, 2..8 =
-        verify) of layer `layer` as a CUDA graph; see DecodeGraph. Plan the steps you replay
-        with `cache.plan(..., max_blocks_per_seq=max_blocks_per_seq)`."""
+        verify) of layer `layer` as a CUDA graph; see DecodeGraph. `max_blocks_per_seq` (the
+        block_tables width W, required) bounds the context: W · block_size tokens. Plan the steps
+        you replay with `cache.plan(..., max_blocks_per_seq=W)`."""
+        if max_blocks_per_seq is None:
+            raise TypeError("capture_decode: max_blocks_per_seq (the block_tables width) is required")
         return DecodeGraph(self, batch_size, cache, layer, max_blocks_per_seq=max_blocks_per_seq,
                            query_len=query_len)
 
