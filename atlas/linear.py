@@ -210,18 +210,12 @@ class Linear:
 
 def gemv(x: Tensor, q: NVFP4Weight) -> Tensor:
     """atlas.ops.w4a16_gemv (x [M ≤ 32, K] bf16, q [N, K] → [M, N] bf16)."""
-    fn = getattr(ops, "w4a16_gemv", None)
-    if fn is None:  # TODO(integration): drop once atlas.ops.w4a16_gemv has landed
-        return (x.float() @ q.dequantize(torch.float32).t()).to(torch.bfloat16)
-    return fn(x, q)
+    return ops.w4a16_gemv(x, q)
 
 
 def gemv_dual(x: Tensor, q1: NVFP4Weight, q2: NVFP4Weight) -> tuple[Tensor, Tensor]:
     """atlas.ops.w4a16_gemv_dual: two weights (each with its own global scale) read in one launch."""
-    fn = getattr(ops, "w4a16_gemv_dual", None)
-    if fn is None:  # TODO(integration): drop once atlas.ops.w4a16_gemv_dual has landed
-        return gemv(x, q1), gemv(x, q2)
-    return fn(x, q1, q2)
+    return ops.w4a16_gemv_dual(x, q1, q2)
 
 
 def nvfp4_gemm(x: Tensor, q: NVFP4Weight) -> Tensor:

@@ -236,7 +236,7 @@ class Qwen3AttentionLayer:
         query = q[r.r0:r.r1].view(nb, r.query_len, self.nq, self.hd)
         if r.query_len == 1:
             query = query[:, 0]                                                      # [B, nq, hd]
-        return paged_decode(query, k_cache, v_cache, meta.block_tables[r.b0:r.b1], meta.seq_lens[r.b0:r.b1],
+        return ops.paged_decode(query, k_cache, v_cache, meta.block_tables[r.b0:r.b1], meta.seq_lens[r.b0:r.b1],
                             self.softmax_scale, k_scale, v_scale)
 
     def _prefill(self, q, out, groups, meta, k_cache, v_cache, k_scale, v_scale) -> None:
@@ -252,7 +252,7 @@ class Qwen3AttentionLayer:
             seq_lens.append(meta.seq_lens[b:b + 1] - n + starts + PREFILL_CHUNK)
             tables.append(meta.block_tables[b:b + 1].expand(nc, -1))
             counts.append(nc)
-        o = paged_decode(torch.cat(queries), k_cache, v_cache, torch.cat(tables).contiguous(),
+        o = ops.paged_decode(torch.cat(queries), k_cache, v_cache, torch.cat(tables).contiguous(),
                          torch.cat(seq_lens).to(torch.int32), self.softmax_scale, k_scale, v_scale)
         c0 = 0
         for (b, r0, n), nc in zip(groups, counts):
@@ -334,44 +334,6 @@ class DecodeGraph:
         self.hidden.copy_(hidden)
         self.meta.copy_(meta)
         return self.replay()
-
-
-# =============================================================================================
-# paged_decode (atlas.ops; a plain-torch stand-in while the op has not landed)
-# =============================================================================================
-
-def paged_decode(query, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale=None, v_scale=None):
-    fn = getattr(ops, "paged_decode", None)
-    if fn is not None:
-        return fn(query, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale)
-    return _paged_decode_stand_in(query, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale)
-
-
-def _paged_decode_stand_in(query, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale):
-    """TODO(integration): remove once atlas.ops.paged_decode lands. Same contract: query
-    [B, (q_len,) nq, hd]; query row j at position seq_len − q_len + j attends to 0..position."""
-    squeeze = query.dim() == 3
-    qry = query.unsqueeze(1) if squeeze else query
-    b, ql, nq, hd = qry.shape
-    nb, bs, nkv, _ = k_cache.shape
-    out = torch.zeros(b, ql, nq, hd, dtype=torch.float32, device=query.device)
-    for i, length in enumerate(seq_lens.tolist()):               # host read: stand-in only
-        if length <= 0:
-            continue
-        blocks = block_tables[i, :-(-length // bs)].long()
-        rows = []
-        for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
-            x = cache.view(torch.uint8)[blocks].view(cache.dtype).float().reshape(-1, nkv, hd)[:length]
-            if scale is not None:
-                x = x * scale[blocks].reshape(-1, nkv)[:length].unsqueeze(-1)
-            rows.append(x.repeat_interleave(nq // nkv, dim=1))                  # [L, nq, hd]
-        k, v = rows
-        s = torch.einsum("qhd,khd->hqk", qry[i].float(), k) * softmax_scale     # [nq, ql, L]
-        pos = length - ql + torch.arange(ql, device=query.device)
-        s = s.masked_fill(torch.arange(length, device=query.device)[None, :] > pos[:, None], float("-inf"))
-        out[i] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
-    out = out.to(torch.bfloat16)
-    return out[:, 0] if squeeze else out
 
 
 # =============================================================================================
