@@ -206,6 +206,9 @@ class Checkpoint:
                     for k in h.keys():
                         if listed and listed.get(k) != f:
                             continue            # the index is the authority on which copy to use
+                        if k in self._meta:
+                            raise CheckpointError(f"checkpoint: '{k}' is in both {self._meta[k][0]} and {f} "
+                                                  "(and no model.safetensors.index.json says which to use)")
                         sl = h.get_slice(k)
                         st = sl.get_dtype()
                         if st not in _ST_DTYPES:
@@ -261,11 +264,8 @@ class Checkpoint:
         return self._model_config
 
     def nbytes(self, prefix: str = "") -> int:
-        total = 0
-        for k in self.keys(prefix):
-            _, dt, shape = self._meta[self._stored(k)]
-            total += math.prod(shape) * torch.empty((), dtype=dt).element_size()
-        return total
+        """Bytes stored under `prefix` (from the headers)."""
+        return self._nbytes(self.keys(prefix))
 
     # ---- the well-known modules -----------------------------------------------------------
     def embedding_key(self) -> str:
@@ -354,11 +354,12 @@ class Checkpoint:
         return {prefix + k[len(canon_prefix):]: out_canon[k] for k in keys}
 
     def _read(self, keys: list[str], device, progress: bool | None) -> dict[str, Tensor]:
+        """Tensors of `keys` (canonical), file by file from the memory-mapped safetensors."""
         from safetensors import safe_open
         by_file: dict[str, list[str]] = {}
         for k in keys:
             by_file.setdefault(self._meta[self._stored(k)][0], []).append(k)
-        show = progress if progress is not None else self.nbytes_of(keys) > _PROGRESS_BYTES
+        show = progress if progress is not None else self._nbytes(keys) > _PROGRESS_BYTES
         bar = None
         if show:
             from tqdm import tqdm
@@ -367,19 +368,23 @@ class Checkpoint:
         try:
             for f, ks in by_file.items():
                 try:
-                    with safe_open(str(self.path / f), framework="pt", device="cpu") as h:
-                        for k in ks:
-                            out[k] = h.get_tensor(self._stored(k)).to(device)
-                            if bar is not None:
-                                bar.update(1)
+                    handle = safe_open(str(self.path / f), framework="pt", device="cpu")
                 except Exception as e:
-                    raise CheckpointError(f"checkpoint: cannot read {self.where(k)}: {e}") from e
+                    raise CheckpointError(f"checkpoint: cannot open {self.path / f}: {e}") from e
+                with handle as h:
+                    for k in ks:
+                        try:
+                            out[k] = h.get_tensor(self._stored(k)).to(device)
+                        except Exception as e:
+                            raise CheckpointError(f"checkpoint: cannot read {self.where(k)}: {e}") from e
+                        if bar is not None:
+                            bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
         return out
 
-    def nbytes_of(self, keys) -> int:
+    def _nbytes(self, keys) -> int:
         total = 0
         for k in keys:
             _, dt, shape = self._meta[self._stored(k)]

@@ -477,3 +477,16 @@ def test_real_shaped_35b_a3b_mtp_checkpoint_loads_and_proposes(tmp_path):
     torch.cuda.synchronize()
     assert drafts.shape == (2, 3) and bool(((drafts >= 0) & (drafts < 248320)).all())
     assert bool(torch.isfinite(conf).all())
+
+
+def test_duplicate_key_across_files_without_index(tmp_path):
+    d = _write(tmp_path, "bf16", shard_bytes=150_000)
+    (d / "model.safetensors.index.json").unlink()
+    files = sorted(d.glob("*.safetensors"))
+    t = load_file(str(files[0]))
+    key = next(iter(t))
+    save_file({key: t[key]}, str(d / "extra.safetensors"))
+    with pytest.raises(CheckpointError, match=f"'{key}' is in both"):
+        open_checkpoint(d)
+    (d / "extra.safetensors").unlink()
+    assert len(load_state_dict(d, "mtp.")) > 10            # no index: every file's keys, once
