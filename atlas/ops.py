@@ -636,8 +636,14 @@ def _check_norm_weight(op: str, name: str, w: Tensor, dim: int, device) -> None:
                  contiguous=True, what=f"bf16 | f32 [{dim}]")
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centered: bool = False) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centered: bool = False, *,
+             residual: Optional[Tensor] = None) -> Tensor:
     """RMSNorm of each row: y = x · rsqrt(mean(x²) + eps) · w, float32 math, one bf16 rounding.
+
+    With `residual` (a decoder layer's `hidden = hidden + sublayer_out; normed = norm(hidden)` in
+    one launch): h = bf16(x + residual) (float32 add, one rounding, as a bf16 torch add) is
+    written to residual in place and y = rms_norm(h): the norm sees exactly the bf16 value the
+    residual stream keeps, as in HF decoder layers.
 
     Args:
         x: [R, D] bf16, D % 8 == 0; rows may be strided (row stride a multiple of 8 elements,
@@ -646,6 +652,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centered: bool = False)
         eps: added to mean(x²) (config rms_norm_eps, 1e-6 for Qwen3).
         zero_centered: w = 1 + weight (Qwen3-Next / 3.5 / 3.6 norms, weights stored around 0)
             if True, else w = weight (Qwen3). Default False.
+        residual: None (default) or [R, D] bf16, contiguous, updated in place (see above).
     Returns:
         [R, D] bf16, contiguous.
     Raises:
@@ -660,21 +667,40 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centered: bool = False)
         raise ValueError(f"{op}: x must have D % 8 == 0, got shape {list(x.shape)}")
     _check_aligned_rows(op, "x", x)
     _check_norm_weight(op, "weight", weight, x.shape[1], x.device)
+    if residual is not None:
+        check_tensor(op, "residual", residual, dtype=torch.bfloat16, shape=tuple(x.shape), device=x.device,
+                     contiguous=True, what="bf16 [R, D] like x, contiguous")
     if use_kernel(x, weight):
+        if residual is not None:
+            return torch.ops.atlas.rms_norm_residual(x, residual, weight, float(eps), bool(zero_centered))
         return torch.ops.atlas.rms_norm(x, weight, float(eps), bool(zero_centered))
-    return reference.rms_norm(x, weight, float(eps), bool(zero_centered))
+    return reference.rms_norm(x, weight, float(eps), bool(zero_centered), residual)
 
 
 @torch.library.custom_op("atlas::rms_norm", mutates_args=())
 def _rms_norm_kernel(x: Tensor, weight: Tensor, eps: float, zero_centered: bool) -> Tensor:
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     if x.shape[0] > 0:
-        _C.rms_norm(x, weight, out, eps, zero_centered)
+        _C.rms_norm(x, weight, out, None, eps, zero_centered)
     return out
 
 
 @_rms_norm_kernel.register_fake
 def _(x, weight, eps, zero_centered):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("atlas::rms_norm_residual", mutates_args=("residual",))
+def _rms_norm_residual_kernel(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                              zero_centered: bool) -> Tensor:
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if x.shape[0] > 0:
+        _C.rms_norm(x, weight, out, residual, eps, zero_centered)
+    return out
+
+
+@_rms_norm_residual_kernel.register_fake
+def _(x, residual, weight, eps, zero_centered):
     return x.new_empty(x.shape)
 
 

@@ -251,8 +251,14 @@ def _rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cente
     return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * w
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
-    """x [R, D] bf16, weight [D] bf16|f32 → [R, D] bf16: float32 math, one rounding at the end."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, D] bf16, weight [D] bf16|f32 → [R, D] bf16: float32 math, one rounding at the end.
+    With residual [R, D] bf16: h = bf16(x + residual) (float32 add) is written to residual in
+    place and normalized instead of x."""
+    if residual is not None:
+        residual.copy_((x.float() + residual.float()).to(torch.bfloat16))
+        x = residual
     return _rms_normalize(x, weight, eps, zero_centered).to(torch.bfloat16)
 
 

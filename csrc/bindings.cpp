@@ -301,6 +301,7 @@ void paged_decode(const torch::Tensor& query,                       // [B, q_len
 void rms_norm(const torch::Tensor& x,        // [R, D] bf16, inner dim contiguous
               const torch::Tensor& weight,   // [D] bf16|f32
               torch::Tensor& out,            // [R, D] bf16 (out)
+              const std::optional<torch::Tensor>& residual,  // [R, D] bf16 contiguous (in/out) or none
               double eps, bool zero_centered) {
   CHECK_CUDA_TENSOR(x); CHECK_CUDA_TENSOR(weight); CHECK_CONTIGUOUS(weight); CHECK_CONTIGUOUS(out);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1 && x.size(1) % 8 == 0 &&
@@ -313,6 +314,12 @@ void rms_norm(const torch::Tensor& x,        // [R, D] bf16, inner dim contiguou
   a.x = x.data_ptr(); a.weight = weight.data_ptr(); a.out = out.data_ptr();
   a.rows = x.size(0); a.dim = x.size(1); a.x_row_stride = x.size(0) > 1 ? x.stride(0) : x.size(1);
   a.eps = static_cast<float>(eps); a.weight_f32 = weight.scalar_type() == torch::kFloat; a.zero_centered = zero_centered;
+  if (residual.has_value()) {
+    CHECK_CUDA_TENSOR(*residual); CHECK_CONTIGUOUS(*residual);
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == torch::kBFloat16,
+                "rms_norm: residual must be bf16 [R, D] like x");
+    a.residual = residual->data_ptr();
+  }
   check_cuda(atlas::launch_rms_norm(a, current_stream(x)), "rms_norm");
 }
 
@@ -569,7 +576,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "causal GQA attention of q_len <= 8 new tokens over the paged KV cache (bf16 | e4m3 + per-row scale), split-K");
   // ---- reshape_and_cache / paged_decode (owned by the paged-KV work; insert defs above this line) ----
-  m.def("rms_norm", &rms_norm, "x [R,D] bf16 -> rmsnorm(x) * (w | 1+w) bf16, fp32 math");
+  m.def("rms_norm", &rms_norm, "x [R,D] bf16 -> rmsnorm(x) * (w | 1+w) bf16, fp32 math; optional residual += x first");
   m.def("qk_norm_rope", &qk_norm_rope,
         "per-head q/k RMSNorm + partial NeoX RoPE -> q_out; K/V into the paged cache (bf16 | e4m3 + per-row scale)");
   m.def("sigmoid_gate_mul", &sigmoid_gate_mul, "out = x * sigmoid(gate), bf16 [T,H,hd], gate strided");

@@ -1,12 +1,16 @@
 // rms_norm: y[r, :] = bf16( x[r, :] · rsqrt(Σ x² / D + eps) · w ),  w = 1 + weight (zero-centered
 // Qwen3-Next / 3.5 / 3.6 norms) or weight (Qwen3), float32 math, one rounding at the store.
+// Residual variant (a decoder layer's "hidden += sublayer(x); normed = norm(hidden)"):
+//   h = bf16(x + residual) (float32 add, one rounding: what a bf16 torch add gives), residual ← h,
+//   y = rms_norm(h), so the norm sees exactly the bf16 value the residual stream keeps (as HF).
 //
 // Decomposition: one CTA per row r ∈ [0, R); blockDim = clamp(round_up(D/8, 32), 32, 256), so a
 // 2048-wide hidden row is one 16-byte vector (8 bf16) per thread and a 256-wide head row is one
 // warp. Step 1 (sum of squares): each thread walks its vectors, block reduction through warp
 // shuffles and one float per warp in shared memory. Step 2 (scale and store): the thread walks
 // the same vectors again (L1 hits: the CTA has just read them), multiplies by rsqrt and w, and
-// stores 16 bytes.
+// stores 16 bytes. With a residual, step 1 also forms h and stores it to residual, and step 2
+// re-reads h from there (the same thread wrote it).
 //
 // Floor: reads R·D·2 and writes R·D·2 bytes (+ D weights); the decode case (R = 1..32,
 // D = 2048..5120) moves ≤ 0.7 MB, i.e. < 0.2 µs at 4.3 TB/s: this kernel is launch-bound
@@ -63,21 +67,33 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const RmsNormArgs
   const int64_t nvec = a.dim / kVec;
   const uint4* x = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) + r * a.x_row_stride);
   uint4* y = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.out) + r * a.dim);
+  uint4* res = a.residual == nullptr ? nullptr
+             : reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.residual) + r * a.dim);
 
-  // Step 1: Σ x² over the row.
+  // Step 1: (h = bf16(x + residual) → residual) and Σ h² over the row.
   float ss = 0.f;
   for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
     float f[kVec];
     bf16x8_to_float(x[v], f);
+    if (res != nullptr) {
+      float rf[kVec];
+      bf16x8_to_float(res[v], rf);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) f[i] += rf[i];
+      const uint4 h = float_to_bf16x8(f);
+      res[v] = h;
+      bf16x8_to_float(h, f);                                            // normalize the rounded h
+    }
 #pragma unroll
     for (int i = 0; i < kVec; ++i) ss = fmaf(f[i], f[i], ss);
   }
   const float inv_rms = rsqrtf(block_sum(ss, red) / static_cast<float>(a.dim) + a.eps);
 
   // Step 2: scale, weight, one rounding, 16-byte store.
+  const uint4* src = res != nullptr ? res : x;
   for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
     float f[kVec];
-    bf16x8_to_float(x[v], f);
+    bf16x8_to_float(src[v], f);
 #pragma unroll
     for (int i = 0; i < kVec; ++i)
       f[i] = f[i] * inv_rms * norm_weight(a.weight, a.weight_f32, a.zero_centered, v * kVec + i);

@@ -40,6 +40,21 @@ def test_rms_norm_reference_matches_hf(zero_centered):
     assert out.dtype == torch.bfloat16 and bool((_bf16_ulps(out, want) <= 0.5 + 1e-3).all())
 
 
+def test_rms_norm_residual_reference():
+    """residual ← bf16(x + residual) (a bf16 torch add), output = rms_norm of that rounded value."""
+    g = _gen("rmsres")
+    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    res = (torch.randn(4, 64, generator=g) * 8).to(torch.bfloat16)
+    w = 0.2 * torch.randn(64, generator=g)
+    h = x + res
+    out = ops.rms_norm(x, w, 1e-6, True, residual=res)
+    assert torch.equal(res, h) and torch.equal(out, ops.rms_norm(h, w, 1e-6, True))
+    with pytest.raises(ValueError, match="residual"):
+        ops.rms_norm(x, w, 1e-6, True, residual=res[:2])
+    with pytest.raises(TypeError, match="residual"):
+        ops.rms_norm(x, w, 1e-6, True, residual=res.float())
+
+
 def test_rope_reference_matches_hf_rotary():
     from transformers.models.qwen3_next import modeling_qwen3_next as m
     cfg = m.Qwen3NextConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
@@ -161,6 +176,21 @@ def test_cuda_rms_norm(rows, dim, zero_centered, weight_dtype):
     # fp32 math in both; rsqrtf and the summation order differ by a few fp32 ulps → at most one
     # bf16 rounding step apart
     assert bool((_bf16_ulps(out, want) <= 1.0).all()) and rel_err(out, want) < 4e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows,dim", [(1, 2048), (9, 5120), (33, 256)])
+def test_cuda_rms_norm_residual(rows, dim):
+    g = _gen("crmsres", rows, dim)
+    x = torch.randn(rows, dim, generator=g).to(torch.bfloat16)
+    res = (torch.randn(rows, dim, generator=g) * 30).to(torch.bfloat16)
+    w = (0.3 * torch.randn(dim, generator=g)).to(torch.bfloat16)
+    res_ref = res.clone()
+    want = ref.rms_norm(x, w, 1e-6, True, res_ref)
+    res_d = res.cuda()
+    out = ops.rms_norm(x.cuda(), w.cuda(), 1e-6, True, residual=res_d).cpu()
+    assert torch.equal(res_d.cpu(), res_ref)                     # fp32 add + one rounding: exact
+    assert bool((_bf16_ulps(out, want) <= 1.0).all())
 
 
 @pytest.mark.cuda

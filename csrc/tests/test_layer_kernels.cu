@@ -165,26 +165,37 @@ int run_qk_norm_rope(const QkCase& c, std::mt19937& rng) {
   return bad ? 1 : 0;
 }
 
-int run_rms_norm(int rows, int dim, bool zero_centered, std::mt19937& rng) {
+int run_rms_norm(int rows, int dim, bool zero_centered, bool with_residual, std::mt19937& rng) {
   const int64_t stride = dim + 16;
   std::normal_distribution<float> normal;
-  std::vector<__nv_bfloat16> x(size_t(rows) * stride), out(size_t(rows) * dim);
+  std::vector<__nv_bfloat16> x(size_t(rows) * stride), out(size_t(rows) * dim), res(size_t(rows) * dim), res_out(res.size());
   for (auto& v : x) v = __float2bfloat16(normal(rng) * 300.f);
+  for (auto& v : res) v = __float2bfloat16(normal(rng) * 1000.f);
   std::vector<__nv_bfloat16> w(dim);
   for (auto& v : w) v = __float2bfloat16(0.3f * normal(rng));
-  __nv_bfloat16 *d_x, *d_w, *d_out;
+  __nv_bfloat16 *d_x, *d_w, *d_out, *d_res;
   CHECK(cudaMalloc(&d_x, x.size() * 2)); CHECK(cudaMalloc(&d_w, dim * 2)); CHECK(cudaMalloc(&d_out, out.size() * 2));
+  CHECK(cudaMalloc(&d_res, res.size() * 2));
   CHECK(cudaMemcpy(d_x, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(d_w, w.data(), dim * 2, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_res, res.data(), res.size() * 2, cudaMemcpyHostToDevice));
   atlas::RmsNormArgs a{};
   a.x = d_x + 8; a.weight = d_w; a.out = d_out; a.rows = rows; a.dim = dim; a.x_row_stride = stride;
   a.eps = 1e-6f; a.weight_f32 = false; a.zero_centered = zero_centered;
+  if (with_residual) a.residual = d_res;
   CHECK(atlas::launch_rms_norm(a, 0));
   CHECK(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost));
-  CHECK(cudaFree(d_x)); CHECK(cudaFree(d_w)); CHECK(cudaFree(d_out));
+  CHECK(cudaMemcpy(res_out.data(), d_res, res.size() * 2, cudaMemcpyDeviceToHost));
+  CHECK(cudaFree(d_x)); CHECK(cudaFree(d_w)); CHECK(cudaFree(d_out)); CHECK(cudaFree(d_res));
   int bad = 0;
   for (int r = 0; r < rows; ++r) {
-    const __nv_bfloat16* xr = &x[r * stride + 8];
+    std::vector<__nv_bfloat16> h(&x[r * stride + 8], &x[r * stride + 8] + dim);
+    if (with_residual)                     // h = bf16(x + residual), written back exactly
+      for (int i = 0; i < dim; ++i) {
+        h[i] = __float2bfloat16(bf(h[i]) + bf(res[size_t(r) * dim + i]));
+        bad += std::memcmp(&h[i], &res_out[size_t(r) * dim + i], 2) != 0;
+      }
+    const __nv_bfloat16* xr = h.data();
     double ss = 0;
     for (int i = 0; i < dim; ++i) ss += double(bf(xr[i])) * bf(xr[i]);
     const double inv = 1.0 / std::sqrt(ss / dim + 1e-6);
@@ -193,7 +204,8 @@ int run_rms_norm(int rows, int dim, bool zero_centered, std::mt19937& rng) {
       bad += !close_bf16(bf(out[size_t(r) * dim + i]), bf(xr[i]) * inv * wi);
     }
   }
-  std::printf("rms_norm rows=%d dim=%d zc=%d: %s (%d bad)\n", rows, dim, zero_centered, bad ? "FAIL" : "ok", bad);
+  std::printf("rms_norm rows=%d dim=%d zc=%d residual=%d: %s (%d bad)\n", rows, dim, zero_centered, with_residual,
+              bad ? "FAIL" : "ok", bad);
   return bad ? 1 : 0;
 }
 
@@ -237,7 +249,7 @@ int main() {
                           QkCase{12, 16, 2, 256, 256, true}})
     failed += run_qk_norm_rope(c, rng);
   for (int rows : {1, 7, 33})
-    for (int dim : {256, 2048, 5120}) failed += run_rms_norm(rows, dim, dim != 2048, rng);
+    for (int dim : {256, 2048, 5120}) failed += run_rms_norm(rows, dim, dim != 2048, rows == 7, rng);
   failed += run_sigmoid_gate(1, 16, 256, rng) + run_sigmoid_gate(7, 24, 256, rng) + run_sigmoid_gate(300, 32, 128, rng);
   std::printf("%s\n", failed ? "FAILED" : "all ok");
   return failed ? 1 : 0;
