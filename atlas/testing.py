@@ -463,56 +463,49 @@ def _config_dict(config) -> dict:
 
 def _write_safetensors(out: Path, tensors: Iterator[tuple[str, Tensor]], shard_bytes: int | None,
                        *, total: int, progress: bool) -> None:
-    """Stream tensors into model.safetensors, or into shards of ~shard_bytes with an index."""
+    """Stream (key, tensor) pairs into `model.safetensors`, or, with shard_bytes, into shards of
+    about that size named as HF does (`model-0000i-of-0000n.safetensors`) plus
+    `model.safetensors.index.json`. A module's tensors never straddle two shards; only one
+    shard is held in memory at a time."""
     from safetensors.torch import save_file
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=total, desc="writing checkpoint", unit="module")
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    names: list[str] = []
+    part: dict[str, Tensor] = {}
+    files: list[str] = []
+    weight_map: dict[str, str] = {}
 
-    def flush(final: bool) -> None:
-        if shard_bytes is None and not final:
-            return
-        part = shards[-1]
-        if not part:
-            return
-        name = "model.safetensors" if shard_bytes is None else f"model-{len(names) + 1:05d}.safetensors"
+    def flush() -> None:
+        name = "model.safetensors" if shard_bytes is None else f"model-{len(files) + 1:05d}.safetensors"
         save_file({k: v.detach().cpu().contiguous() for k, v in part.items()}, str(out / name),
                   metadata={"format": "pt"})
-        names.append(name)
-        weight_map.update({k: name for k in part})
-        shards[-1] = {}
+        files.append(name)
+        weight_map.update(dict.fromkeys(part, name))
+        part.clear()
 
-    weight_map: dict[str, str] = {}
-    total_size = 0
+    part_bytes = total_bytes = 0
     last_module = None
     for key, t in tensors:
         module = key.rsplit(".", 1)[0]
-        # never split one module's tensors across a shard boundary between them
-        if shard_bytes is not None and size >= shard_bytes and module != last_module:
-            flush(False)
-            size = 0
-        shards[-1][key] = t
-        nbytes = t.numel() * t.element_size()
-        size += nbytes
-        total_size += nbytes
+        if shard_bytes is not None and part and part_bytes >= shard_bytes and module != last_module:
+            flush()
+            part_bytes = 0
+        part[key] = t
+        part_bytes += t.numel() * t.element_size()
+        total_bytes += t.numel() * t.element_size()
         if bar is not None and module != last_module:
             bar.update(1)
         last_module = module
-    flush(True)
+    if part:
+        flush()
     if bar is not None:
         bar.close()
-    if shard_bytes is not None:
-        # rename model-0000i.safetensors → model-0000i-of-0000n.safetensors as HF does
-        n = len(names)
-        renamed = {}
-        for i, name in enumerate(names):
-            new = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            (out / name).rename(out / new)
-            renamed[name] = new
-        index = {"metadata": {"total_size": total_size},
-                 "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if shard_bytes is None:
+        return
+    final = {name: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, name in enumerate(files)}
+    for name, new in final.items():
+        (out / name).rename(out / new)
+    index = {"metadata": {"total_size": total_bytes},
+             "weight_map": {k: final[v] for k, v in sorted(weight_map.items())}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
