@@ -85,3 +85,20 @@ def test_table_and_parser():
     assert args.batch == "1,8" and args.kv_dtype == "fp8" and args.weight_format == "nvfp4"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["draft-bench", "--weight-format", "int4"])
+
+
+@pytest.mark.cuda
+def test_draft_bench_on_gpu_with_a_model_dir(tmp_path):
+    """The CLI's GPU path on a tiny checkpoint: graph-captured propose, floor and JSON."""
+    if not _mtp_importable():
+        pytest.skip("atlas.layers.mtp not importable")
+    d = T.write_checkpoint(tmp_path / "ckpt", T.tiny_config(layout="vl"), "modelopt_nvfp4", quantize_lm_head=True)
+    r = _run("draft-bench", "--model", str(d), "--batch", "1,4", "--drafts", "2", "--prompt-len", "40",
+             "--iters", "5", "--out", str(tmp_path / "out"), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "out" / "draft_bench.json").read_text())
+    assert [row["batch"] for row in res["rows"]] == [1, 4]
+    for row in res["rows"]:
+        assert row["mode"] == "graph replay", row
+        assert row["us_per_draft"] > 0 and row["floor_us_per_draft"] > 0
+    assert res["meta"]["copy_bandwidth_gbs"] > 100
