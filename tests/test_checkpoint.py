@@ -493,3 +493,17 @@ def test_duplicate_key_across_files_without_index(tmp_path):
         open_checkpoint(d)
     (d / "extra.safetensors").unlink()
     assert len(load_state_dict(d, "mtp.")) > 10            # no index: every file's keys, once
+
+
+def test_legacy_hf_quant_config_file(tmp_path):
+    """Older ModelOpt exports: no quantization_config in config.json, hf_quant_config.json beside it."""
+    d = _write(tmp_path, "modelopt_nvfp4")
+    cfg = json.loads((d / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                                                           "exclude_modules": qc["exclude_modules"]}}))
+    ck = open_checkpoint(d)
+    assert ck.dialect == "modelopt_nvfp4"
+    assert isinstance(weight_from_state_dict(ck.load("mtp.fc."), "mtp.fc."), NVFP4Weight)
