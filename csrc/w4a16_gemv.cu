@@ -495,12 +495,19 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   const int chunks = (a.k + kChunkK - 1) / kChunkK;
   const int chunks_per_split = (chunks + splits - 1) / splits;
 
-  // Warps (16-row tiles) per CTA: 4 unless that leaves fewer than ~2 CTAs per SM (132 SMs on
+  // Warps (16-row tiles) per CTA: 4 unless that leaves fewer than 2 CTAs per SM (132 SMs on
   // the H200); numerics do not depend on it. Small N (one expert, 512 rows) gets 1-warp CTAs.
+  static int sm_count[kMaxDevices] = {};
+  int dev = 0;
+  ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (sm_count[dev] == 0) {
+    ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
+  }
   int tiles = 0;
   for (int i = 0; i < a.num_weights; ++i) tiles += ceil_div(a.w[i].n, kTileN);
   int warps = kMaxWarps;
-  while (warps > 1 && ceil_div(tiles, warps) * splits < 2 * 132) warps /= 2;
+  while (warps > 1 && ceil_div(tiles, warps) * splits < 2 * sm_count[dev]) warps /= 2;
   const int groups0 = ceil_div(a.w[0].n, warps * kTileN);
   const int groups = groups0 + (a.num_weights == 2 ? ceil_div(a.w[1].n, warps * kTileN) : 0);
   if (groups > 65535) return cudaErrorInvalidValue;
