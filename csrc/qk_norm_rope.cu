@@ -23,6 +23,9 @@
 // (hd floats per warp), and the token's rot/2 (cos, sin) pairs are computed one frequency per
 // lane (32 at rot = 64) into shared memory. Shared memory: 8·2·hd·4 bytes (16 KB at hd = 256).
 //
+// Launched with programmatic dependent launch (common/pdl.cuh): the kernel is scheduled while the
+// projection GEMV drains and waits for it before touching memory.
+//
 // Floor: reads T·(nq + 2·nkv)·hd·2 bytes and writes T·(nq·hd·2 + 2·nkv·hd·c) (c = 2 bf16, 1 fp8);
 // decode at 27B shapes (nq 24, nkv 4, hd 256) moves ~33 KB per token: launch-bound (~2 µs
 // graph-replayed); at prefill T = 4096 it is 134 MB ≈ 31 µs at 4.3 TB/s.
@@ -30,6 +33,7 @@
 #include <cuda_runtime.h>
 
 #include "common/checks.h"
+#include "common/pdl.cuh"
 #include "common/nvfp4.cuh"
 #include "qk_norm_rope.h"
 
@@ -98,6 +102,8 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
   __shared__ float rope_cos[kWarps][HD / 2];        // the warp's token: cos, sin per frequency
   __shared__ float rope_sin[kWarps][HD / 2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  pdl_wait();                       // launched with PDL: the projections' outputs are visible now
+  pdl_launch_dependents();
   const int rows_per_token = a.nq + 2 * a.nkv;
   const int64_t task = int64_t(blockIdx.x) * kWarps + warp;          // [0, T·rows_per_token)
   if (task >= int64_t(a.num_tokens) * rows_per_token) return;         // warp-uniform
@@ -191,14 +197,13 @@ cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   const int64_t tasks = int64_t(a.num_tokens) * (a.nq + 2 * a.nkv);
   if (tasks == 0) return cudaSuccess;
-  const unsigned ctas = static_cast<unsigned>(ceil_div<int64_t>(tasks, kWarps));
+  const dim3 ctas(static_cast<unsigned>(ceil_div<int64_t>(tasks, kWarps)));
   switch (a.head_dim) {
-    case 64:  qk_norm_rope_kernel<64><<<ctas, kThreads, 0, stream>>>(a); break;
-    case 128: qk_norm_rope_kernel<128><<<ctas, kThreads, 0, stream>>>(a); break;
-    case 256: qk_norm_rope_kernel<256><<<ctas, kThreads, 0, stream>>>(a); break;
+    case 64:  return launch_pdl(qk_norm_rope_kernel<64>, ctas, dim3(kThreads), 0, stream, a);
+    case 128: return launch_pdl(qk_norm_rope_kernel<128>, ctas, dim3(kThreads), 0, stream, a);
+    case 256: return launch_pdl(qk_norm_rope_kernel<256>, ctas, dim3(kThreads), 0, stream, a);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 }  // namespace atlas

@@ -12,6 +12,9 @@
 // stores 16 bytes. With a residual, step 1 also forms h and stores it to residual, and step 2
 // re-reads h from there (the same thread wrote it).
 //
+// Launched with programmatic dependent launch (common/pdl.cuh): it waits for the previous
+// kernel first thing, and lets the next one (a GEMV prefetching its weights) launch at once.
+//
 // Floor: reads R·D·2 and writes R·D·2 bytes (+ D weights); the decode case (R = 1..32,
 // D = 2048..5120) moves ≤ 0.7 MB, i.e. < 0.2 µs at 4.3 TB/s: this kernel is launch-bound
 // (~2 µs graph-replayed), so it is written for clarity, not tuned.
@@ -20,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include "common/checks.h"
+#include "common/pdl.cuh"
 #include "rms_norm.h"
 
 namespace atlas {
@@ -63,6 +67,8 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const RmsNormArgs a) {
   __shared__ float red[kMaxThreads / 32];
+  pdl_wait();                       // launched with PDL: the previous kernel's writes are visible now
+  pdl_launch_dependents();          // the next kernel may launch (it waits for us before reading y)
   const int64_t r = blockIdx.x;                                            // row, [0, R)
   const int64_t nvec = a.dim / kVec;
   const uint4* x = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) + r * a.x_row_stride);
@@ -109,8 +115,7 @@ cudaError_t launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   const int64_t nvec = a.dim / kVec;
   const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, ceil_div<int64_t>(nvec, 32) * 32)));
-  rms_norm_kernel<<<static_cast<unsigned>(a.rows), threads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch_pdl(rms_norm_kernel, dim3(static_cast<unsigned>(a.rows)), dim3(threads), 0, stream, a);
 }
 
 }  // namespace atlas

@@ -7,6 +7,8 @@
 // T·H·hd/8 vectors, 256 threads per CTA, ≤ 8 CTAs per SM worth of grid. Vector v maps to
 // (t, h, j) = (v / (H·hd/8), (v / (hd/8)) % H, v % (hd/8)); x and out are contiguous.
 // expf (not __expf): the reference is torch.sigmoid in float32; differences stay ≤ 1 bf16 ulp.
+// Programmatic dependent launch (common/pdl.cuh): the o_proj GEMV that follows in a decode step
+// starts streaming its weights while this kernel runs.
 //
 // Floor: reads 2·T·H·hd·2 and writes T·H·hd·2 bytes; decode (T = 1..32, H·hd = 4096..6144)
 // moves ≤ 1.2 MB, < 0.3 µs at 4.3 TB/s, so the launch (~2 µs graph-replayed) dominates.
@@ -15,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include "common/checks.h"
+#include "common/pdl.cuh"
 #include "sigmoid_gate.h"
 
 namespace atlas {
@@ -25,6 +28,8 @@ constexpr int kThreads = 256;
 constexpr int64_t kMaxCtas = 132 * 8;
 
 __global__ void __launch_bounds__(kThreads) sigmoid_gate_mul_kernel(const SigmoidGateArgs a) {
+  pdl_wait();                       // launched with PDL: the attention output is visible now
+  pdl_launch_dependents();          // o_proj's GEMV may launch and prefetch its weights meanwhile
   const int64_t vec_per_head = a.head_dim / kVec;
   const int64_t total = a.tokens * a.heads * vec_per_head;
   const uint4* x = static_cast<const uint4*>(a.x);                 // [T·H·hd/8] vectors
@@ -57,8 +62,7 @@ cudaError_t launch_sigmoid_gate_mul(const SigmoidGateArgs& a, cudaStream_t strea
   const int64_t total = a.tokens * a.heads * (a.head_dim / kVec);
   if (total == 0) return cudaSuccess;
   const int64_t ctas = std::min(kMaxCtas, ceil_div<int64_t>(total, kThreads));
-  sigmoid_gate_mul_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch_pdl(sigmoid_gate_mul_kernel, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), 0, stream, a);
 }
 
 }  // namespace atlas

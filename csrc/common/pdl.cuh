@@ -1,0 +1,48 @@
+// Programmatic dependent launch (sm_90): a kernel launched with launch_pdl() may be scheduled
+// while the previous kernel in the stream is still finishing; it must call pdl_wait() before its
+// first global-memory access (the wait returns once the previous grid has completed and its
+// writes are visible; it is a no-op for a plain launch). pdl_launch_dependents() lets the NEXT
+// PDL-launched kernel (e.g. a w4a16_gemv whose weight prefetch does not depend on us) start
+// launching before this grid ends; that kernel still waits for this grid before reading our
+// outputs. In a CUDA graph the attribute becomes a programmatic edge. Why: a decode step is a
+// chain of small kernels whose launch gaps (~1 µs each in a graph) are a visible share of it.
+#pragma once
+#include <cuda_runtime.h>
+
+namespace atlas {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) with the programmatic-stream-serialization
+// attribute; a plain launch where the attribute is refused. Returns the launch error.
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return cudaGetLastError();
+  (void)cudaGetLastError();                       // clear the refusal, launch in stream order
+  cfg.numAttrs = 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+}  // namespace atlas
