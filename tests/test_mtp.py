@@ -312,6 +312,21 @@ def test_batched_propose_equals_single(kind):
         torch.testing.assert_close(c1[0], conf[i], rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_cancel_propose_restores_the_sequence(kind):
+    g = _gen("cancel", kind)
+    head = _head(kind)
+    tokens, hidden = _inputs(g, head, 9)
+    head.prefill("s", tokens[:9], hidden[:9])
+    d1, c1 = head.propose(["s"], tokens[9:10], hidden[8:9], 3)
+    head.cancel_propose(["s"])
+    assert head.cache.seq_len("s") == 8
+    d2, c2 = head.propose(["s"], tokens[9:10], hidden[8:9], 3)
+    assert torch.equal(d1, d2) and torch.equal(c1, c2)
+    with pytest.raises(ValueError, match="no propose"):
+        head.cancel_propose(["t"])
+
+
 def test_mtp_vocab_size_truncates_head():
     g = _gen("vocab")
     full, cut = _head("moe"), _head("moe", mtp_vocab_size=100)
@@ -494,8 +509,7 @@ def test_cuda_propose_matches_cpu_reference(model, weight_format):
     agree = (d_dev.cpu() == d_cpu).float().mean().item()
     assert agree >= 0.8, f"GPU drafts {d_dev.tolist()} vs CPU reference {d_cpu.tolist()}"
     assert torch.equal(d_dev[:, 0].cpu(), d_cpu[:, 0]) or agree >= 0.8
-    for i in range(2):
-        dev.accept(i, 0, hid[:0].cuda(), last[:0].cuda())
+    dev.cancel_propose([0, 1])
     d_again, _ = dev.propose([0, 1], last.cuda(), hid.cuda(), 3)          # replay of the same graph
     assert torch.equal(d_again, d_dev)
 
@@ -511,8 +525,7 @@ def test_cuda_graph_propose_equals_eager(kind):
         head.prefill(s, tokens[:20 + s], hidden[:20 + s])
     last, hid = tokens[20:23], hidden[19:22]
     d_eager, c_eager = head.propose([0, 1, 2], last, hid, 3, use_graph=False)
-    for s in range(3):
-        head.accept(s, 0, hidden[:0], tokens[:0])
+    head.cancel_propose([0, 1, 2])
     d_graph, c_graph = head.propose([0, 1, 2], last, hid, 3, use_graph=True)
     assert torch.equal(d_graph, d_eager) and torch.equal(c_graph, c_eager)
 
@@ -528,9 +541,8 @@ def test_cuda_batched_propose_equals_single(kind):
     last = torch.stack([t[-1] for t, h in data])
     hid = torch.stack([h[-2] for t, h in data])
     drafts, _ = head.propose(list(range(5)), last, hid, 3)
-    for i in range(5):
-        head.accept(i, 0, hid[:0], last[:0])
+    head.cancel_propose(range(5))
     for i in range(5):
         d1, _ = head.propose([i], last[i:i + 1], hid[i:i + 1], 3)
-        head.accept(i, 0, hid[:0], last[:0])
+        head.cancel_propose([i])
         assert torch.equal(d1[0], drafts[i])

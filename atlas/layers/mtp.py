@@ -313,6 +313,16 @@ class MtpHead:
         if num_accepted:
             self._append_rows(seq_id, tokens.to(self.device), target_hidden_rows.to(self.device))
 
+    def cancel_propose(self, seq_ids: Sequence[Hashable]) -> None:
+        """Undo the last propose() of these sequences entirely (drop all its rows, including
+        the exact first one), e.g. when its drafts will not be verified; the sequences are then
+        as before that propose and can propose again with the same inputs."""
+        for s in seq_ids:
+            if s not in self._pending:
+                raise ValueError(f"MtpHead.cancel_propose: seq_id {s!r} has no propose awaiting accept()")
+            base, _ = self._pending.pop(s)
+            self.cache.truncate(s, base)
+
     def free(self, seq_id: Hashable) -> None:
         """Forget a sequence and give its drafter KV blocks back."""
         self._pending.pop(seq_id, None)
