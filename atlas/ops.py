@@ -1021,8 +1021,8 @@ def embedding_norm_concat(table: Tensor, ids: Tensor, hidden: Tensor, w_embed: T
                      what="float32 [h]")
     if h % 8 or h > 8192 or t > MAX_GRID_ROWS:
         raise ValueError(f"{op}: needs h % 8 == 0, h ≤ 8192 and T ≤ {MAX_GRID_ROWS}, got h = {h}, T = {t}")
-    if t > 0 and (hidden.stride(1) != 1 or (t > 1 and hidden.stride(0) % 8)):
-        hidden = hidden.contiguous()
+    if t > 0 and (hidden.stride(1) != 1 or (t > 1 and hidden.stride(0) % 8) or hidden.data_ptr() % 16):
+        hidden = hidden.clone(memory_format=torch.contiguous_format)   # the kernel loads 16-byte vectors
     if not ids.is_cuda and t > 0:
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= v:

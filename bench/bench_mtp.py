@@ -75,7 +75,7 @@ def measure(head: MtpHead, b: int, k: int, iters: int) -> tuple[float, float]:
     last = torch.randint(0, cfg.vocab_size, (b,), generator=g, device=dev)
     hid = torch.randn(b, cfg.hidden_size, generator=g, device=dev).to(torch.bfloat16)
     head.propose(seqs, last, hid, k)                       # captures the (B, k) graph
-    graph = head._graphs[(b, k)]
+    graph = head.capture_propose(b, k)
     us = time_events(graph.replay, warmup=5, iters=iters) / k
     for s in seqs:
         head.free(s)

@@ -327,9 +327,10 @@ def test_cancel_propose_restores_the_sequence(kind):
         head.cancel_propose(["t"])
 
 
-def test_mtp_vocab_size_truncates_head():
-    g = _gen("vocab")
-    full, cut = _head("moe"), _head("moe", mtp_vocab_size=100)
+@pytest.mark.parametrize("weight_format", ["bf16", pytest.param("nvfp4", marks=needs_gemv)])
+def test_mtp_vocab_size_truncates_head(weight_format):
+    g = _gen("vocab", weight_format)
+    full, cut = _head("moe", weight_format), _head("moe", weight_format, mtp_vocab_size=100)
     tokens, hidden = _inputs(g, full, 8)
     lf, _ = full.step(tokens[1:9], hidden[:8], full.cache.plan({"s": 8}))
     lc, _ = cut.step(tokens[1:9], hidden[:8], cut.cache.plan({"s": 8}))
