@@ -17,6 +17,7 @@ QWEN3_PLAIN = dict(model_type="qwen3", zero_centered_norm=False, attn_output_gat
 TINY = {  # head_dim 64: the smallest paged_decode serves (rotary_dim 16 with the 0.25 factor)
     "qwen3_next": ModelConfig.tiny(head_dim=64),
     "qwen3_5_moe": ModelConfig.tiny(head_dim=64, model_type="qwen3_5_moe"),
+    "qwen3_5": ModelConfig.tiny(head_dim=64, model_type="qwen3_5", num_experts=0),
     "qwen3": ModelConfig.tiny(head_dim=64, **QWEN3_PLAIN),
 }
 
