@@ -61,6 +61,7 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _SCALARS = (torch.float32, torch.bfloat16, torch.float16)
 _VL_TEXT = "model.language_model."
 _FUSED_EXPERTS = re.compile(r"^(?P<module>.*\.experts\.(?:gate_up_proj|down_proj))(?P<param>_[a-z_0-9]+)?$")
+_LAYER = re.compile(r"^(model|mtp)\.layers\.\d+\.")
 _PROGRESS_BYTES = 1 << 30   # show a progress bar for loads above 1 GiB
 
 
@@ -180,6 +181,9 @@ class Checkpoint:
         self.dialect = detect_dialect(self.config, self._meta,
                                       hf_quant_config=_read_json(hq) if hq.exists() else None)
         self._model_config = None
+        self._expected = None
+        # "model.layers.N." / "mtp.layers.N." prefixes of the decoder layers the files hold
+        self._present_layers = {m.group(0) for k in self._canon if (m := _LAYER.match(k))}
 
     # ---- files ----------------------------------------------------------------------------
     def _read_headers(self) -> None:
@@ -307,7 +311,13 @@ class Checkpoint:
         """{canonical module: (kind, logical shape)} from the ModelConfig, for every module
         atlas knows the shape of: embedding, final norm, lm_head, the MTP branch and every
         decoder layer's norms, MLP and (full-attention layers) self_attn. GDN `linear_attn`
-        modules pass through with dialect and scale checks only."""
+        modules pass through with dialect and scale checks only. Computed once (Qwen3-Next-80B
+        has ~75 k expert modules; per-layer loads must not rebuild it)."""
+        if self._expected is None:
+            self._expected = self._build_expected()
+        return self._expected
+
+    def _build_expected(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         cfg = self.model_config
         h, v = cfg.hidden_size, cfg.vocab_size
         mods = {"model.embed_tokens": ("embedding", (v, h)), "model.norm": ("norm", (h,))}
@@ -396,13 +406,12 @@ class Checkpoint:
         """Every expected module under prefix must be complete. A decoder layer counts as
         expected when the checkpoint holds any key of it, when the prefix lies inside it, or
         when it is an MTP layer (a checkpoint may carry only some layers of the main model)."""
-        present_layers = {m.group(0) for k in self._canon if (m := re.match(r"^(model|mtp)\.layers\.\d+\.", k))}
         for module, (kind, _) in expected.items():
             inside = module.startswith(prefix) or prefix.startswith(module + ".") or prefix == module
             if not inside:
                 continue
-            layer = re.match(r"^(model|mtp)\.layers\.\d+\.", module)
-            if layer and not (layer.group(0) in present_layers or prefix.startswith(layer.group(0))
+            layer = _LAYER.match(module)
+            if layer and not (layer.group(0) in self._present_layers or prefix.startswith(layer.group(0))
                               or layer.group(1) == "mtp"):
                 continue
             if kind == "fused_experts":
