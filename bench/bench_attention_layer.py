@@ -22,7 +22,10 @@ L2: every implementation rotates over n layer copies (own weights, own KV pools)
 bench/common.rotation_count, so each step reads device memory as a real model's next layer
 would. The cached context is random data written straight into the pools (blocks allocated by
 cache.plan), not computed by a prefill: only its bytes matter here.
-Writes bench/results/bench_attention_layer.{md,json}.
+Breakdown (bench_attention_layer_parts): at B = 1, L = 32K each launch of the graph-replayed step
+timed alone (same rotation), so the step's distance from the floor can be attributed: projections
+(one w4a16_gemv_dual), qk_norm_rope, paged_decode, sigmoid_gate_mul, o_proj.
+Writes bench/results/bench_attention_layer.{md,json} and bench_attention_layer_parts.{md,json}.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 
 import atlas  # noqa: E402
+from atlas import ops  # noqa: E402
 from atlas.kv_cache import PagedKvCache  # noqa: E402
 from atlas.layers.attention import Qwen3AttentionLayer, hf_attention  # noqa: E402
 from common import (Rotator, copy_bandwidth_gbs, floor_us, require_cuda, rotation_count,  # noqa: E402
@@ -125,6 +129,48 @@ def bench_point(cfg, layers, b: int, length: int, kv: str, iters: int) -> dict:
     return row
 
 
+def bench_parts(cfg, layers, length: int, kv: str, iters: int) -> list[dict]:
+    """Each launch of a B = 1 decode step timed alone under graph replay, rotated like the step."""
+    nq, nkv, hd, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    step_bytes = layers[0].weight_nbytes + kv_bytes(cfg, 1, length + 1, kv)
+    n = min(len(layers), rotation_count(step_bytes), max(1, MEMORY_BUDGET // step_bytes))
+    bs, width = 16, -(-(length + 1) // 16)
+    cache = PagedKvCache(cfg, n, width + 1, KV_DTYPES[kv], "cuda", block_size=bs)
+    fill_pools(cache)
+    cache.plan({0: length}, max_blocks_per_seq=width)
+    meta = cache.plan({0: 1}, max_blocks_per_seq=width)
+    x = torch.randn(1, h, device="cuda").to(torch.bfloat16)
+    y, kvp = ops.w4a16_gemv_dual(x, layers[0].q_proj.weight, layers[0].kv_weight)
+    q, gate = y.view(1, nq, 2 * hd)[..., :hd], y.view(1, nq, 2 * hd)[..., hd:]
+    k, v = kvp[:, :nkv * hd].view(1, nkv, hd), kvp[:, nkv * hd:].view(1, nkv, hd)
+    a = layers[0]
+    qn = ops.qk_norm_rope(q, k, v, a.q_norm_weight, a.k_norm_weight, meta.positions, *cache.layer(0)[:2],
+                          meta.slot_mapping, *cache.layer(0)[2:], **a.norm_kwargs)
+    o = ops.paged_decode(qn, *cache.layer(0)[:2], meta.block_tables, meta.seq_lens, a.softmax_scale,
+                         *cache.layer(0)[2:])
+    og = ops.sigmoid_gate_mul(o, gate).view(1, nq * hd)
+    parts = {
+        "projections (dual gemv)": (lambda i: ops.w4a16_gemv_dual(x, layers[i].q_proj.weight, layers[i].kv_weight),
+                                    a.q_proj.nbytes + a.k_proj.nbytes + a.v_proj.nbytes),
+        "qk_norm_rope": (lambda i: ops.qk_norm_rope(q, k, v, layers[i].q_norm_weight, layers[i].k_norm_weight,
+                                                    meta.positions, *cache.layer(i)[:2], meta.slot_mapping,
+                                                    *cache.layer(i)[2:], **a.norm_kwargs), 0),
+        "paged_decode": (lambda i: ops.paged_decode(qn, *cache.layer(i)[:2], meta.block_tables, meta.seq_lens,
+                                                    a.softmax_scale, *cache.layer(i)[2:]),
+                         kv_bytes(cfg, 1, length + 1, kv)),
+        "sigmoid_gate_mul": (lambda i: ops.sigmoid_gate_mul(o, gate), 0),
+        "o_proj (gemv)": (lambda i: ops.w4a16_gemv(og, layers[i].o_proj.weight), a.o_proj.nbytes),
+    }
+    rows = []
+    for name, (fn, nbytes) in parts.items():
+        us = time_cuda_graph(Rotator(n, fn), warmup=2, iters=iters, calls_per_graph=n)
+        rows.append(dict(model=cfg.model_type, L=length, kv=kv, part=name, us=us,
+                         floor_us=floor_us(nbytes) if nbytes else 0.0))
+    del cache
+    torch.cuda.empty_cache()
+    return rows
+
+
 def bench_hf(cfg, layers, b: int, length: int, iters: int) -> float:
     """Graph-replayed µs of the HF module's decode step (BF16 weights and KV, SDPA)."""
     step_bytes = 2 * layers[0].weight_nbytes * 16 // 9 + kv_bytes(cfg, b, length + 1, "bf16")
@@ -153,10 +199,13 @@ def main():
     require_cuda("bench_attention_layer")
     models = ["35b-a3b"] if args.quick else list(MODELS)
     batches = [1, 8] if args.quick else BATCHES
-    rows = []
+    rows, parts = [], []
     for name in models:
         cfg = atlas.ModelConfig.from_hf(os.path.join(FIXTURES, MODELS[name]))
         layers = [random_layer(cfg, seed) for seed in range(MAX_COPIES)]
+        for kv in KV_DTYPES:
+            for r in bench_parts(cfg, layers, LENGTHS[-1], kv, args.iters):
+                parts.append(dict(r, model=name))
         for b in batches:
             for length in LENGTHS:
                 hf_us = bench_hf(cfg, layers, b, length, args.iters)
@@ -171,6 +220,8 @@ def main():
                           f"HF {hf_us:.1f} µs", flush=True)
         del layers
         torch.cuda.empty_cache()
+    write_results("bench_attention_layer_parts", parts,
+                  meta={"what": "each launch of a B=1, L=32K decode step alone, graph-replayed"})
     write_results("bench_attention_layer", rows,
                   meta={"what": "one decode step of one attention layer, NVFP4 projections",
                         "goal": "graph_us <= 1.5 x floor at B=1, L=32K",
