@@ -93,6 +93,13 @@ class Qwen3AttentionLayer:
             zero-centered offset is applied by the kernel).
         kv_fused: K and V share a global scale (NVFP4); decode then runs q, k and v in one
             w4a16_gemv_dual launch over q_proj and kv_weight = [k_proj; v_proj] rows.
+
+    Example (CPU, reference path; `sd` holds HF-named tensors "q_proj.weight", ... "k_norm.weight"):
+        >>> cfg = ModelConfig.tiny(head_dim=64)
+        >>> attn = Qwen3AttentionLayer.from_state_dict(cfg, sd, "", "nvfp4", "cpu")
+        >>> cache = PagedKvCache(cfg, 1, 16, device="cpu")
+        >>> out = attn(torch.randn(5, 64).bfloat16(), cache.plan({"a": 5}), cache)   # 5-token prefill
+        >>> out = attn(torch.randn(1, 64).bfloat16(), cache.plan({"a": 1}), cache)   # then one decode
     """
 
     def __init__(self, cfg: ModelConfig, q_proj: Linear, k_proj: Linear, v_proj: Linear,
