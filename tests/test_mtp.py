@@ -341,6 +341,20 @@ def test_mtp_vocab_size_truncates_head(weight_format):
     assert int(drafts.max()) < 100
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("weight_format", FORMATS)
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_prefill_writes_the_kv_a_full_step_writes(kind, weight_format, kv_dtype):
+    """prefill's K/V-only path == the K/V the full forward (step) writes, byte for byte."""
+    g = _gen("kv-only", kind, weight_format, kv_dtype)
+    a, b = _head(kind, weight_format, kv_dtype=kv_dtype), _head(kind, weight_format, kv_dtype=kv_dtype)
+    tokens, hidden = _inputs(g, a, 20)
+    a.prefill("s", tokens[:20], hidden[:20])                                       # rows 0..18
+    b.step(tokens[1:20], hidden[:19], b.cache.plan({"s": 19}))
+    for ours, want in zip(_kv_rows(a, "s"), _kv_rows(b, "s")):
+        assert torch.equal(ours, want)
+
+
 # ---- accept: exact drafter KV ----------------------------------------------------------------
 
 def _kv_rows(head: MtpHead, seq):
