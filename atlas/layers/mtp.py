@@ -461,9 +461,10 @@ class ProposeGraph:
     f32 [B, k] (overwritten by the next replay). `graph(tokens, hidden, meta)` copies the inputs
     and meta (from `cache.plan({s: k ...})`) in, replays, returns the static outputs. No sync.
 
-    Capture: the first (real) step runs eagerly on a side stream (lazy inits happen outside the
-    capture; its K/V writes are the real ones), the graph is captured, then replayed once for
-    the outputs (rewriting the same K/V rows with the same values).
+    Capture (first propose of this (B, k)): one warm-up step runs eagerly on a side stream over
+    the static buffers (zero inputs, the real metadata), so lazy inits (cuBLAS handles, kernel
+    attributes) happen outside the capture; its K/V writes land in the very rows the first
+    replay then rewrites from the real inputs. Then the graph is captured (nothing runs).
     """
 
     def __init__(self, head: MtpHead, batch_size: int, num_drafts: int, meta: AttentionMetadata):
