@@ -427,10 +427,12 @@ def test_drafter_cache_exhaustion_is_clear_and_atomic():
     tokens, hidden = _inputs(g, head, 40)
     head.prefill("a", tokens[:30], hidden[:30])           # 29 rows: 2 blocks
     head.prefill("b", tokens[:10], hidden[:10])           # 9 rows: the 3rd block
-    with pytest.raises(KvCacheExhausted):
+    with pytest.raises(KvCacheExhausted, match="drafter KV exhausted"):
         head.propose(["a", "b"], tokens[:2], hidden[:2], 8)
     assert head.cache.seq_len("a") == 29 and head.cache.seq_len("b") == 9
     head.propose(["b"], tokens[:1], hidden[:1], 3)          # still usable
+    with pytest.raises(ValueError, match="max_seq_len"):
+        head.propose(["a"], tokens[:1], hidden[:1], 30)      # 29 + 30 rows > 3 blocks per sequence
 
 
 @pytest.mark.parametrize("call,match,exc", [

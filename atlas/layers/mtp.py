@@ -47,7 +47,7 @@ from torch import Tensor
 from atlas import ops
 from atlas._validate import check_tensor
 from atlas.config import ModelConfig
-from atlas.kv_cache import AttentionMetadata, PagedKvCache
+from atlas.kv_cache import AttentionMetadata, KvCacheExhausted, PagedKvCache
 from atlas.layers.attention import Qwen3AttentionLayer
 from atlas.layers.ffn import build_ffn
 from atlas.linear import GEMV_MAX_ROWS, WEIGHT_FORMATS, Linear, nvfp4_gemm
@@ -292,12 +292,28 @@ class MtpHead:
             raise ValueError(f"{op}: seq_id {seq_id!r} has a propose awaiting accept()")
         self._append_rows(seq_id, tokens[1:], target_hidden[:-1])
 
+    def _plan(self, rows: dict) -> AttentionMetadata:
+        """cache.plan at the static block_tables width, with the drafter's limits in the errors."""
+        try:
+            return self.cache.plan(rows, max_blocks_per_seq=self.max_blocks_per_seq)
+        except KvCacheExhausted as e:
+            e.args = (f"MtpHead: drafter KV exhausted: {e.args[0]}. The drafter pool holds "
+                      f"{self.cache.num_blocks} blocks ((max_seq_len // block_size + 1) · max_seqs, capped "
+                      "by main_pool_blocks): free finished sequences with mtp.free(), or build the head with "
+                      "a larger max_seqs",)
+            raise
+        except ValueError as e:
+            if "max_blocks_per_seq" not in str(e):
+                raise
+            raise ValueError(f"MtpHead: a sequence would exceed max_seq_len = {self.max_seq_len} drafter rows "
+                             f"({e})") from None
+
     def _append_rows(self, seq_id: Hashable, tokens: Tensor, hidden: Tensor) -> None:
         if tokens.shape[0] == 0 and seq_id not in self.cache:
             self.cache.plan({seq_id: 0})            # register the sequence with no rows
         for r0 in range(0, tokens.shape[0], PREFILL_CHUNK_ROWS):
             r1 = min(r0 + PREFILL_CHUNK_ROWS, tokens.shape[0])
-            meta = self.cache.plan({seq_id: r1 - r0}, max_blocks_per_seq=self.max_blocks_per_seq)
+            meta = self._plan({seq_id: r1 - r0})
             self._forward(tokens[r0:r1], hidden[r0:r1], _shift_positions(meta), kv_only=True)
 
     def accept(self, seq_id: Hashable, num_accepted: int, target_hidden_rows: Tensor, tokens: Tensor) -> None:
@@ -380,7 +396,7 @@ class MtpHead:
             raise ValueError(f"{op}: seq_ids {busy} have a propose awaiting accept()")
         k = num_drafts
         base = [self.cache.seq_len(s) if s in self.cache else 0 for s in seq_ids]
-        meta = self.cache.plan({s: k for s in seq_ids}, max_blocks_per_seq=self.max_blocks_per_seq)
+        meta = self._plan({s: k for s in seq_ids})
         for s, n in zip(seq_ids, base):
             self._pending[s] = (n, k)
         if use_graph is None:
