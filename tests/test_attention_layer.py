@@ -259,3 +259,39 @@ def test_decode_projection_launches(monkeypatch, dialect, launches):
     cache = PagedKvCache(cfg, 1, 8, device="cpu")
     attn(torch.zeros(2, cfg.hidden_size, dtype=torch.bfloat16), cache.plan({"a": 1, "b": 1}), cache)
     assert calls == launches
+
+
+@pytest.mark.parametrize("dialect,weight_format", [("bf16", "nvfp4"), ("modelopt_nvfp4", "nvfp4"), ("bf16", "bf16")])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("t", [3, 40])
+def test_write_kv_equals_forward_kv(dialect, weight_format, kv_dtype, t):
+    cfg = TINY["qwen3_next"]
+    g = _gen("write_kv", dialect, weight_format, str(kv_dtype), t)
+    attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, dialect, "", g), "", weight_format, "cpu")
+    x = torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    caches = [PagedKvCache(cfg, 1, 16, kv_dtype, "cpu", block_size=4) for _ in range(2)]
+    attn(x, caches[0].plan({"a": t}), caches[0])
+    attn.write_kv(x, caches[1].plan({"a": t}), caches[1])
+    for a, b in zip(caches[0].layer(0), caches[1].layer(0)):
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else \
+                torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dialect", ["bf16", "modelopt_nvfp4"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("t", [1, 8, 100])
+def test_cuda_write_kv_equals_forward_kv(dialect, kv_dtype, t):
+    """Bitwise, through the kernels: rests on w4a16_gemv_dual's outputs equalling w4a16_gemv's."""
+    cfg = real_config("35b_a3b")
+    g = _gen("cuda_write_kv", dialect, str(kv_dtype), t)
+    attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, dialect, "", g, "cuda"), "", "nvfp4", "cuda")
+    x = torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
+    caches = [PagedKvCache(cfg, 1, 16, kv_dtype, "cuda") for _ in range(2)]
+    attn(x, caches[0].plan({"a": t}), caches[0])
+    attn.write_kv(x, caches[1].plan({"a": t}), caches[1])
+    for a, b in zip(caches[0].layer(0), caches[1].layer(0)):
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else \
+                torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))

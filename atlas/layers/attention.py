@@ -204,6 +204,34 @@ class Qwen3AttentionLayer:
             o = ops.sigmoid_gate_mul(o, gate)
         return self.o_proj(o.view(t, self.nq * self.hd))
 
+    def write_kv(self, hidden: Tensor, meta: AttentionMetadata, cache: PagedKvCache, layer: int = 0) -> None:
+        """The K/V half of __call__: writes the rows' normed, rotated K and V into the cache,
+        byte for byte what __call__ writes for the same rows and T (drafter catch-up over a
+        prompt, or re-writing accepted rows), skipping Q, the attention and o_proj.
+
+        Bitwise agreement with __call__ rests on w4a16_gemv_dual's guarantee that each output
+        equals its own w4a16_gemv: __call__ reads K and V as rows of kv_weight (fused) or as
+        k_proj / v_proj, and so does this."""
+        check_tensor("Qwen3AttentionLayer.write_kv", "hidden", hidden, dtype=torch.bfloat16,
+                     shape=(meta.num_tokens, self.hidden_size), device=self.device,
+                     what=f"bf16 [T = meta.num_tokens, h={self.hidden_size}]")
+        t, nkv, hd = hidden.shape[0], self.nkv, self.hd
+        if t == 0:
+            return
+        if self.weight_format == "nvfp4" and t <= GEMV_MAX_ROWS:
+            x = hidden.contiguous()
+            if self.kv_fused:
+                kv = gemv(x, self.kv_weight)
+                k, v = kv[:, :nkv * hd], kv[:, nkv * hd:]
+            else:
+                k, v = gemv_dual(x, self.k_proj.weight, self.v_proj.weight)
+        else:
+            k, v = self.k_proj(hidden), self.v_proj(hidden)
+        k, v = k.view(t, nkv, hd), v.view(t, nkv, hd)
+        k_cache, v_cache, k_scale, v_scale = cache.layer(layer)
+        ops.qk_norm_rope(k[:, :1], k, v, self.q_norm_weight, self.k_norm_weight, meta.positions, k_cache,
+                         v_cache, meta.slot_mapping, k_scale, v_scale, **self.norm_kwargs)  # q: a dummy head
+
     def _project_qkv(self, x: Tensor):
         """x [T, h] → q [T, nq, hd], gate [T, nq, hd] or None, k, v [T, nkv, hd] (strided views)."""
         t, nq, nkv, hd = x.shape[0], self.nq, self.nkv, self.hd
