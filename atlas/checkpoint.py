@@ -595,15 +595,12 @@ def weight_from_state_dict(sd: dict[str, Tensor], prefix: str):
 
 def dequantized_weight(sd: dict[str, Tensor], prefix: str) -> Tensor:
     """float32 [N, K] of one linear module's weight in any dialect (tests, conversions)."""
-    from atlas.testing import dequantize_fp8_block
     params = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
     if not params:
         raise KeyError(f"weight_from_state_dict: no tensors under '{prefix}'")
     dialect = _module_dialect(params, lambda p: params[p].dtype)
     if dialect == "bf16":
         return params["weight"].float()
-    if dialect == "fp8":
-        return dequantize_fp8_block(params["weight"], params["weight_scale_inv"])
     return weight_from_state_dict(sd, prefix).dequantize(torch.float32)
 
 

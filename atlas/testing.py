@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
-import math
 import zlib
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -37,9 +36,9 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from atlas.fp8 import FP8_BLOCK, quantize_fp8_block   # Qwen FP8: one float32 scale per 128 × 128 block
+
 DIALECTS = ("bf16", "modelopt_nvfp4", "compressed_tensors_nvfp4", "fp8")
-FP8_BLOCK = 128      # Qwen FP8 checkpoints: one float32 scale per 128 × 128 weight block
-E4M3_MAX = 448.0
 
 # =============================================================================================
 # Configs (HF config.json dicts; field names and values as the real checkpoints ship them)
@@ -275,34 +274,13 @@ def dense_weight(name: str, kind: str, shape: Sequence[int], *, seed: int = 0, d
     return w
 
 
-def quantize_fp8_block(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Float [N, K] → (e4m3 [N, K], weight_scale_inv f32 [⌈N/128⌉, ⌈K/128⌉]) with W ≈ fp8 · scale.
-    Per 128 × 128 block: scale = amax / 448 (1.0 for an all-zero block), fp8 = RNE(w / scale)."""
-    n, k = w.shape
-    bn, bk = math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK)
-    pad = torch.zeros(bn * FP8_BLOCK, bk * FP8_BLOCK, dtype=torch.float32, device=w.device)
-    pad[:n, :k] = w.float()
-    blocks = pad.reshape(bn, FP8_BLOCK, bk, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3))                                # [bn, bk]
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(bn * FP8_BLOCK, bk * FP8_BLOCK)[:n, :k].contiguous(), scale.contiguous()
-
-
-def dequantize_fp8_block(weight: Tensor, scale_inv: Tensor) -> Tensor:
-    """(e4m3 [N, K], f32 [⌈N/128⌉, ⌈K/128⌉]) → float32 [N, K] = fp8 · scale of its block."""
-    n, k = weight.shape
-    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
-    return weight.float() * s
-
-
 def _linear_tensors(name: str, w: Tensor, dialect: str) -> dict[str, Tensor]:
     """One linear module's checkpoint tensors in `dialect` (keys relative to the module)."""
     if dialect == "bf16":
         return {"weight": w.to(torch.bfloat16)}
     if dialect == "fp8":
-        q, s = quantize_fp8_block(w)
-        return {"weight": q, "weight_scale_inv": s}
+        q = quantize_fp8_block(w)
+        return {"weight": q.weight, "weight_scale_inv": q.weight_scale_inv}
     from atlas.nvfp4 import quantize_nvfp4
     q = quantize_nvfp4(w)
     if dialect == "modelopt_nvfp4":

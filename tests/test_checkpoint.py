@@ -13,6 +13,7 @@ from atlas import testing as T
 from atlas.checkpoint import (Checkpoint, CheckpointError, dequantized_weight, detect_dialect, load_state_dict,
                               open_checkpoint, weight_from_state_dict)
 from atlas.config import ModelConfig
+from atlas.fp8 import quantize_fp8_block
 from atlas.nvfp4 import NVFP4Weight, quantize_nvfp4
 
 from helpers import rel_err
@@ -35,7 +36,7 @@ def _expected_dequant(dense: torch.Tensor, dialect: str) -> torch.Tensor:
     if dialect == "bf16":
         return dense.to(torch.bfloat16).float()
     if dialect == "fp8":
-        return T.dequantize_fp8_block(*T.quantize_fp8_block(dense))
+        return quantize_fp8_block(dense).dequantize(torch.float32)
     return quantize_nvfp4(dense).dequantize(torch.float32)
 
 
@@ -69,6 +70,10 @@ def test_round_trip_every_module(tmp_path, dialect, layout, shard_bytes):
             assert torch.equal(sd[name].float(), dense.to(torch.bfloat16).float()), name
             continue
         quantized = kind == "linear" and dialect != "bf16"
+        if quantized and dialect == "fp8":            # the stored bytes are exactly atlas.fp8's
+            q = quantize_fp8_block(dense)
+            assert torch.equal(sd[name + ".weight"].view(torch.uint8), q.weight.view(torch.uint8)), name
+            assert torch.equal(sd[name + ".weight_scale_inv"], q.weight_scale_inv), name
         got = dequantized_weight(sd, name + ".")
         want = _expected_dequant(dense, dialect if quantized else "bf16")
         assert got.shape == tuple(shape), name
