@@ -1131,7 +1131,11 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
                      what="bf16 [T]")
     if use_kernel(x):
         s4 = (g[1], g[2], u[0], u[1], u[2], d[0], d[1], d[2]) if g4 else (None, None, u[0], None, None, d[0], None, None)
-        return torch.ops.atlas.moe_experts(x, ids, weights, g[0], *s4, shared, shared_gate)
+        # T > 1: run the gate/up pairs grouped by expert (a device sort, no sync) so pairs that
+        # share an expert re-read its weights from L2 (csrc/moe_experts.cu); T = 1 has k distinct
+        # experts already
+        order = torch.argsort(ids.view(-1), stable=True).to(torch.int32) if t > 1 else None
+        return torch.ops.atlas.moe_experts(x, ids, weights, g[0], *s4, shared, shared_gate, order)
     out = reference.moe_experts(x, ids, weights, _dense_stack(g), _dense_stack(u), _dense_stack(d))
     if shared is not None:
         out = (out + torch.sigmoid(shared_gate.float()).unsqueeze(-1) * shared.float()).to(torch.bfloat16)
@@ -1142,16 +1146,18 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
 def _moe_experts_kernel(x: Tensor, ids: Tensor, weights: Tensor, gate: Tensor, gate_scale: Optional[Tensor],
                         gate_gs: Optional[Tensor], up: Tensor, up_scale: Optional[Tensor], up_gs: Optional[Tensor],
                         down: Tensor, down_scale: Optional[Tensor], down_gs: Optional[Tensor],
-                        shared: Optional[Tensor], shared_gate: Optional[Tensor]) -> Tensor:
+                        shared: Optional[Tensor], shared_gate: Optional[Tensor],
+                        pair_order: Optional[Tensor]) -> Tensor:
     t, h = x.shape
     k = ids.shape[1]
     act = torch.empty(t * k, gate.shape[1], dtype=torch.bfloat16, device=x.device)
     out = torch.empty(t, h, dtype=torch.float32 if shared is None else torch.bfloat16, device=x.device)
     _C.moe_experts(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs,
-                   shared, shared_gate, act, out)
+                   shared, shared_gate, pair_order, act, out)
     return out
 
 
 @_moe_experts_kernel.register_fake
-def _(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs, shared, shared_gate):
+def _(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs, shared, shared_gate,
+      pair_order):
     return x.new_empty(x.shape, dtype=torch.float32 if shared is None else torch.bfloat16)

@@ -17,6 +17,7 @@
 #include "moe_experts.h"
 #include "moe_experts.h"
 #include "moe_experts.h"
+#include "moe_experts.h"
 #include "paged_decode.h"
 #include "w4a16_gemv.h"
 #include "qk_norm_rope.h"
@@ -528,6 +529,7 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
                  const c10::optional<torch::Tensor>& down_gs,   // [E, h, I]
                  const c10::optional<torch::Tensor>& shared,        // [T, h] bf16 or none
                  const c10::optional<torch::Tensor>& shared_gate,   // [T] bf16 (strided) or none
+                 const c10::optional<torch::Tensor>& pair_order,    // [T·k] int32 or none
                  torch::Tensor& act,            // [T·k, I] bf16 (scratch)
                  torch::Tensor& out) {          // [T, h] f32 (no shared) | bf16 (shared) (out)
   CHECK_CUDA_TENSOR(x); CHECK_CONTIGUOUS(x); CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(weights);
@@ -556,6 +558,11 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
   a.nvfp4 = nvfp4; a.act = act.data_ptr(); a.out = out.data_ptr();
   if (with_shared) {
     a.shared = shared->data_ptr(); a.shared_gate = shared_gate->data_ptr(); a.shared_gate_stride = shared_gate->stride(0);
+  }
+  if (pair_order.has_value()) {
+    TORCH_CHECK(pair_order->is_contiguous() && pair_order->numel() == t * k && pair_order->scalar_type() == torch::kInt,
+                "moe_experts: pair_order must be int32 [T*k]");
+    a.pair_order = pair_order->data_ptr<int32_t>();
   }
   a.num_tokens = t; a.top_k = static_cast<int>(k); a.num_experts = static_cast<int>(gate.size(0));
   a.hidden = static_cast<int>(h); a.inter = static_cast<int>(inter);

@@ -18,7 +18,11 @@
 //
 // Decomposition (both kernels: 256 threads = 8 warps, one warp per output row, kRowsPerWarp rows
 // per warp; a lane owns the 16-byte weight chunks c = lane + 32·i of the row):
-//   gate_up: grid (ceil(I / 16), T·k). CTA (n-tile, p) stages x[t] in shared memory (bf16), then
+//   gate_up: grid (ceil(I / 16), T·k). CTA (n-tile, y) runs pair p = pair_order[y] (pairs sorted
+//     by expert id when T > 1, so CTAs of pairs that share an expert are adjacent in launch order
+//     and the second read of that expert's 1.2 MB (NVFP4 gate + up) hits in L2; at 32 rows ×
+//     top-8 of 256 experts that saves ≈ 100 MB of the ≈ 300 MB the pairs would read), stages x[t]
+//     in shared memory (bf16), then
 //     each warp computes rows n of gate AND up (same x chunk for both), xor-shuffle sums, and
 //     lane 0 stores act[p, n].
 //   down:    grid (ceil(h / 16), T). CTA (n-tile, t) stages act[t·k .. t·k + k−1] (k·I bf16),
@@ -134,13 +138,14 @@ template <typename W>
 __global__ void __launch_bounds__(kThreads) moe_gate_up_kernel(
     const __nv_bfloat16* __restrict__ x,   // [T, h]
     const int32_t* __restrict__ ids,       // [T·k]
+    const int32_t* __restrict__ pair_order,   // [T·k] or nullptr
     ExpertStack gate, ExpertStack up,      // [E, I, h]
     __nv_bfloat16* __restrict__ act,       // [T·k, I]
     int top_k, int num_experts, int hidden, int inter) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* lut = reinterpret_cast<float*>(smem);                                  // [16]
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + 16 * sizeof(float));  // [h]
-  const int64_t p = blockIdx.y;
+  const int64_t p = pair_order != nullptr ? pair_order[blockIdx.y] : blockIdx.y;
   const int e = ids[p];
   fill_e2m1_table(lut);
   stage(xs, x + (p / top_k) * hidden, hidden);
@@ -214,7 +219,7 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, cudaStream_t stream) {
                                                static_cast<int>(down_smem)));
   }
   moe_gate_up_kernel<W><<<dim3(ceil_div(a.inter, kRowsPerCta), static_cast<unsigned>(pairs)), kThreads, gate_smem,
-                          stream>>>(static_cast<const __nv_bfloat16*>(a.x), a.ids, a.gate, a.up,
+                          stream>>>(static_cast<const __nv_bfloat16*>(a.x), a.ids, a.pair_order, a.gate, a.up,
                                     static_cast<__nv_bfloat16*>(a.act), a.top_k, a.num_experts, a.hidden, a.inter);
   ATLAS_RETURN_IF_ERROR(last_launch_error());
   moe_down_kernel<W><<<dim3(ceil_div(a.hidden, kRowsPerCta), static_cast<unsigned>(a.num_tokens)), kThreads,

@@ -19,6 +19,9 @@ constexpr int kMoeExpertsMaxTopK = 32;
 struct MoeExpertsArgs {
   const void* x;          // [T, h] bf16, contiguous
   const int32_t* ids;     // [T, k] expert ids in [0, E) (others: that pair contributes 0)
+  const int32_t* pair_order;  // optional [T·k]: gate_up CTA row y runs pair pair_order[y] (pairs
+                              // sorted by expert, so pairs sharing an expert run back to back and
+                              // re-read its weights from L2); nullptr = pair y
   const float* weights;   // [T, k] routing weights
   ExpertStack gate;       // [E, I, h]
   ExpertStack up;         // [E, I, h]
