@@ -13,7 +13,13 @@ other is converted once at load:
 
 How each format runs (x [T, K] bf16 → y [T, N] bf16):
     "nvfp4"  T ≤ 32: atlas.ops.w4a16_gemv (the decode / verify GEMV, weights read once).
-             T > 32: GEMM through torch (cuBLAS) on the BF16 dequantization of the weight,
+             32 < T ≤ 512: the same GEMV over 32-row chunks (a batched verify step, e.g. 32
+             sequences × 4 rows): each chunk re-reads the weight (N·K·9/16 bytes), which stays
+             cheaper than the dequantization below (~20 bytes of traffic per weight) until
+             ~1000 rows (estimate, not yet measured), keeps the step graph-capturable without
+             scratch, and gives each row bitwise the result it gets at T ≤ 32 (the GEMV's rows
+             do not depend on M).
+             T > 512: GEMM through torch (cuBLAS) on the BF16 dequantization of the weight,
              made on the fly in row chunks of ≤ 8 M weights (≤ 16 MB bf16), so no full BF16
              copy is ever kept: prefill pays the dequantization, decode memory stays 4-bit.
     "bf16"   F.linear.
@@ -37,7 +43,8 @@ from atlas.fp8 import FP8BlockWeight, dequantize_fp8_block, quantize_fp8_block
 from atlas.nvfp4 import NVFP4Weight, quantize_nvfp4
 
 WEIGHT_FORMATS = ("bf16", "fp8", "nvfp4")
-GEMV_MAX_ROWS = 32                   # w4a16_gemv serves M ≤ 32 rows; more rows go to the GEMM
+GEMV_MAX_ROWS = 32                   # w4a16_gemv serves M ≤ 32 rows per launch
+GEMV_CHUNKED_MAX_ROWS = 512          # up to here: 32-row GEMV chunks; beyond: dequantize + GEMM
 _GEMM_CHUNK_ELEMS = 1 << 23          # NVFP4 → BF16 dequantization chunk for the GEMM path
 
 AnyWeight = Union[Tensor, NVFP4Weight, FP8BlockWeight]
@@ -200,7 +207,7 @@ class Linear:
             return F.linear(x, self.weight)
         if self.weight_format == "fp8":
             return F.linear(x, self.weight.derived("bf16", None))
-        if x.shape[0] <= GEMV_MAX_ROWS:
+        if x.shape[0] <= GEMV_CHUNKED_MAX_ROWS:
             return gemv(x.contiguous(), self.weight)
         return nvfp4_gemm(x, self.weight)
 
@@ -208,14 +215,29 @@ class Linear:
         return f"Linear({self.weight_format}, N={self.out_features}, K={self.in_features})"
 
 
+def _row_chunks(t: int) -> list[tuple[int, int]]:
+    return [(r, min(t, r + GEMV_MAX_ROWS)) for r in range(0, t, GEMV_MAX_ROWS)]
+
+
 def gemv(x: Tensor, q: NVFP4Weight) -> Tensor:
-    """atlas.ops.w4a16_gemv (x [M ≤ 32, K] bf16, q [N, K] → [M, N] bf16)."""
-    return ops.w4a16_gemv(x, q)
+    """atlas.ops.w4a16_gemv: x [T, K] bf16 (contiguous), q [N, K] → [T, N] bf16, one launch per
+    32 rows, each chunk written in place."""
+    t = x.shape[0]
+    if t <= GEMV_MAX_ROWS:
+        return ops.w4a16_gemv(x, q)
+    y = torch.empty(t, q.shape[0], dtype=torch.bfloat16, device=x.device)
+    for r0, r1 in _row_chunks(t):
+        ops.w4a16_gemv(x[r0:r1], q, out=y[r0:r1])
+    return y
 
 
 def gemv_dual(x: Tensor, q1: NVFP4Weight, q2: NVFP4Weight) -> tuple[Tensor, Tensor]:
-    """atlas.ops.w4a16_gemv_dual: two weights (each with its own global scale) read in one launch."""
-    return ops.w4a16_gemv_dual(x, q1, q2)
+    """atlas.ops.w4a16_gemv_dual: two weights (each with its own global scale) read in one launch
+    per 32 rows of x [T, K] → ([T, N1], [T, N2]) bf16."""
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return ops.w4a16_gemv_dual(x, q1, q2)
+    parts = [ops.w4a16_gemv_dual(x[r0:r1], q1, q2) for r0, r1 in _row_chunks(x.shape[0])]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def nvfp4_gemm(x: Tensor, q: NVFP4Weight) -> Tensor:

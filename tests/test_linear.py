@@ -7,7 +7,7 @@ import torch
 
 import atlas
 from atlas.fp8 import FP8BlockWeight, quantize_fp8_block
-from atlas.linear import GEMV_MAX_ROWS, Linear, detect_dialect, load_linears, load_weight
+from atlas.linear import GEMV_CHUNKED_MAX_ROWS, GEMV_MAX_ROWS, Linear, detect_dialect, load_linears, load_weight
 from atlas.nvfp4 import NVFP4Weight
 from helpers import rel_err
 
@@ -73,7 +73,7 @@ def test_conversion_rules(dialect, weight_format):
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)
-@pytest.mark.parametrize("t", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100])
+@pytest.mark.parametrize("t", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100, GEMV_CHUNKED_MAX_ROWS + 1])
 def test_forward_matches_dense(weight_format, t):
     g = _gen(weight_format, t)
     lin = Linear.from_weight(torch.randn(72, 96, generator=g), weight_format, "cpu")
@@ -83,6 +83,17 @@ def test_forward_matches_dense(weight_format, t):
     assert y.dtype == torch.bfloat16 and y.shape == (t, 72)
     # bf16 output: one rounding (2^-9); the GEMM paths also round the weight to bf16 first
     assert rel_err(y, want) < 1e-2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_nvfp4_verify_rows_run_as_gemv_chunks(device):
+    """32 < T ≤ 512 rows: the GEMV over 32-row chunks; every row equals its own 1-row GEMV
+    bitwise (the GEMV's rows do not depend on M), so a verify step agrees with decode steps."""
+    g = _gen("chunks32", device)
+    lin = Linear.from_weight(torch.randn(200, 256, generator=g), "nvfp4", device)
+    x = torch.randn(77, 256, generator=g).to(torch.bfloat16).to(device)
+    y = lin(x)
+    assert torch.equal(y, torch.cat([atlas.ops.w4a16_gemv(x[i:i + 1], lin.weight) for i in range(77)]))
 
 
 def test_nvfp4_gemm_chunks_rows(monkeypatch):
@@ -133,7 +144,7 @@ def test_errors_name_the_module():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("weight_format", FORMATS)
-@pytest.mark.parametrize("t", [1, 8, 32, 33, 300])
+@pytest.mark.parametrize("t", [1, 8, 32, 33, 300, 600])
 def test_cuda_forward(weight_format, t):
     g = _gen("cuda", weight_format, t)
     lin = Linear.from_weight(torch.randn(1000, 512, generator=g), weight_format, "cuda")

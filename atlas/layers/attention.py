@@ -10,7 +10,8 @@ Per token (HF `Qwen3Attention` / `Qwen3NextAttention` / `Qwen3_5MoeAttention`, c
     cache ← k, v;  o = softmax(q·kᵀ·hd^-½ + causal) · v   over the sequence's cached + new tokens
     o      = o · sigmoid(gate)  (gated only);  out = o_proj(o)
 
-Launches of a decode / verify step (T ≤ 32 rows, NVFP4 weights), all graph-capturable:
+Launches of a decode / verify step (T ≤ 32 rows, NVFP4 weights; up to 512 rows the GEMVs repeat
+per 32 rows, see atlas.linear), all graph-capturable:
     1. w4a16_gemv_dual  q_proj and [k_proj; v_proj] in ONE launch when K and V share a global
                         scale (ModelOpt / llm-compressor exports, and every BF16/FP8 → NVFP4
                         conversion here): their rows are concatenated once at load into one
@@ -23,8 +24,9 @@ Launches of a decode / verify step (T ≤ 32 rows, NVFP4 weights), all graph-cap
                         split-K combine)
     4. sigmoid_gate_mul (gated only)
     5. w4a16_gemv       o_proj
-Prefill chunks (query_len > 8, or T > 32 rows in the step) run the projections as GEMMs
-(atlas.linear: cuBLAS over the on-the-fly BF16 dequantization for NVFP4) and attend with
+Prefill chunks (query_len > 8) run the projections like any other rows (GEMV chunks up to 512
+rows in the step, beyond that GEMMs: cuBLAS over the on-the-fly BF16 dequantization, see
+atlas.linear) and attend with
 paged_decode over query chunks of 8: a chunk of n new rows becomes ceil(n/8) pseudo-sequences
 of 8 query rows, chunk c ending at row min(8c + 8, n) with seq_len = context + that end, so
 each row sees exactly its causal prefix (cached tokens + new tokens up to itself). The last
@@ -45,7 +47,7 @@ from atlas import ops
 from atlas._validate import check_tensor
 from atlas.config import ModelConfig
 from atlas.kv_cache import AttentionMetadata, PagedKvCache
-from atlas.linear import GEMV_MAX_ROWS, Linear, gemv, gemv_dual, load_linears
+from atlas.linear import GEMV_CHUNKED_MAX_ROWS, Linear, gemv, gemv_dual, load_linears
 from atlas.nvfp4 import NVFP4Weight
 
 MAX_DECODE_QUERY_LEN = 8      # paged_decode serves query_len ≤ 8 (decode and verify groups)
@@ -218,7 +220,7 @@ class Qwen3AttentionLayer:
         t, nkv, hd = hidden.shape[0], self.nkv, self.hd
         if t == 0:
             return
-        if self.weight_format == "nvfp4" and t <= GEMV_MAX_ROWS:
+        if self.weight_format == "nvfp4" and t <= GEMV_CHUNKED_MAX_ROWS:
             x = hidden.contiguous()
             if self.kv_fused:
                 kv = gemv(x, self.kv_weight)
@@ -235,7 +237,7 @@ class Qwen3AttentionLayer:
     def _project_qkv(self, x: Tensor):
         """x [T, h] → q [T, nq, hd], gate [T, nq, hd] or None, k, v [T, nkv, hd] (strided views)."""
         t, nq, nkv, hd = x.shape[0], self.nq, self.nkv, self.hd
-        if self.weight_format == "nvfp4" and t <= GEMV_MAX_ROWS:                     # decode / verify
+        if self.weight_format == "nvfp4" and t <= GEMV_CHUNKED_MAX_ROWS:             # decode / verify
             x = x.contiguous()
             if self.kv_fused:
                 y, kv = gemv_dual(x, self.q_proj.weight, self.kv_weight)
