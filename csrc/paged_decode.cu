@@ -8,7 +8,8 @@
 //   K[p] lives at k_cache[block_tables[b, p / bs], p % bs] (any bs: 16, 528, ...).
 //
 // Decomposition (flash-decoding with the GQA group packed into MMA rows):
-//   Grid (max_splits · row_groups, nkv, B); one CTA of 4 warps per (split, kv head, sequence).
+//   Grid (units · row_groups, nkv, B); one CTA of 4 warps per (split or split group, kv head,
+//   sequence).
 //   The CTA's rows are the group·q_len (query token j, head g) pairs that read kv head kvh,
 //   row r = j·group + g, at most 64 per CTA (more — group 16 × q_len 8 — go to row_groups
 //   CTAs, each re-reading the split's KV); M_TILES = ceil(rows / 16) MMA row tiles. So every KV
@@ -16,6 +17,10 @@
 //   Split s of a sequence covers positions [s·chunk, min((s+1)·chunk, L)) (paged_decode_split:
 //   a function of L and nkv alone → batch-invariant bits); CTAs past the split count exit.
 //   The grid is sized from host-known bounds only (max_blocks · bs), so it is graph-capturable.
+//   Two modes, same bits (the canonical merge below): split mode, one CTA per split writing
+//   (λ_s, o_s) partials; fused mode (one row tile, batches giving ≥ 256 CTAs anyway), one CTA
+//   per group of 8 consecutive splits that folds them in registers as it goes and writes one
+//   partial per group — or the output itself when the sequence has ≤ 8 splits.
 //
 //   Per 32-position KV tile (kTileN), in shared memory as [32][hd] rows with a 16-byte-chunk
 //   XOR swizzle (conflict-free ldmatrix), filled by cp.async 16 B (zero-filled past the split
@@ -40,17 +45,20 @@
 //   columns as two n8 tiles. To keep every product far from fp32 subnormals, Q is staged
 //   · 2^64 and P · 2^64 (exact powers of two); scores are · 2^56 and O · 2^56 at the end.
 //
-//   Combine (second kernel, only when max_splits > 1, programmatic dependent launch): one CTA
-//   per (sequence, kv head, row, 64 columns) merges the splits' normalized o_s and log2-sum-exp
-//   λ_s: out = Σ 2^(λ_s − λ) o_s, λ = log2 Σ 2^λ_s. Single-split sequences are written
-//   directly by the attention kernel (their combine CTAs exit at once).
+//   Canonical merge of a sequence's splits (λ_s = log2-sum-exp, o_s = O / l): a left fold in
+//   split order within groups of 8 splits, then over the groups, with every rounding pinned by
+//   _rn intrinsics (see Fold). Combine (second kernel, programmatic dependent launch, only when
+//   some sequence can leave partials): one CTA per (sequence, kv head, row, 64 columns) stages
+//   the partials in smem and runs the fold. Single-split sequences are written directly.
 //
 // Shared memory (hd 256, bf16, M_TILES 1): 3 stages × (K + V) 32 KB + Q 8.4 KB + P 1.3 KB
-//   ≈ 107 KB → 2 CTAs per SM. FP8 tiles are half as big (4 stages, 64 KB).
+//   ≈ 107 KB → 2 CTAs per SM (191 registers). FP8 tiles are half as big (4 stages, 64 KB,
+//   76.8 KB in all → 3 CTAs per SM, 168 registers).
 //
 // Floor (bytes moved): Σ_b L_b · nkv · hd · 2 (K and V) · elem (+ 2 · 4 per FP8 scale pair)
-//   + partial O when split. B = 1, L = 32K, nkv = 2, hd = 256, bf16: 67 MB → 15.6 µs at the
-//   H200's ≈ 4.3 TB/s copy bandwidth; FP8 34 MB (+0.5 MB scales) → 8.0 µs.
+//   + partial O when split (split mode: rows · hd · 4 · 2 per 256-position split ≈ 6% of bf16
+//   KV at 8 rows; fused mode: 1/8 of that). B = 1, L = 32K, nkv = 2, hd = 256, bf16: 67 MB
+//   → 15.6 µs at the H200's ≈ 4.3 TB/s copy bandwidth; FP8 34 MB (+0.5 MB scales) → 8.0 µs.
 //   Measured fraction: bench/NOTES.md (bench/bench_attention.py).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -66,6 +74,9 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTileN = kPagedDecodeTileN;   // 32 positions per KV tile: 8 score columns per warp
 constexpr int kMaxRows = 64;                // query rows per CTA (4 MMA row tiles; O regs bound)
 constexpr int kPStride = kTileN + 8;        // P smem row stride (bf16): 80 B, conflict-free
+constexpr int kSplitGroup = 8;              // splits per level-1 group of the canonical merge
+constexpr int kMaxGroups = kPagedDecodeMaxSplits / kSplitGroup;
+static_assert(kPagedDecodeMaxSplits % kSplitGroup == 0, "split groups");
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 // FP8 exponent bookkeeping (see the header comment): bf16(fp8 bits) = fp8 · 2^-120.
@@ -104,6 +115,7 @@ struct Problem {
   uint32_t bs_mul;   // fast division by block_size: p / bs = umulhi(p, bs_mul) >> bs_shr
   uint32_t bs_shr;
   float score_mult;  // softmax_scale · log2e (FP8: · 2^56)
+  int splits_per_cta;  // 1, or kSplitGroup (fused mode: M_TILES == 1 only; see the launcher)
 };
 
 // ---- PTX wrappers ---------------------------------------------------------------------------
@@ -154,6 +166,38 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
+// ---- the canonical split merge (one definition for the attention and combine kernels) -------
+// A split s yields λ_s = m + log2 l (log2-sum-exp of its scaled scores) and o_s = O / l. Splits
+// merge as a left fold in split order, within groups of kSplitGroup consecutive splits (level 1,
+// → λ_g, o_g), then over the groups (level 2): per row  m' = max(m, λ), a = 2^(m − m'),
+// c = 2^(λ − m'), L = L·a + c;  per element  acc = acc·a + o·c;  result λ = m + log2 L,
+// o = acc · (1 / L). Explicit _rn intrinsics pin every rounding (no FMA contraction), so the
+// fused mode (one CTA folds a whole group in registers) and the split mode (the combine kernel
+// folds partials read back from memory) produce the same bits.
+struct Fold {
+  float m = -INFINITY;  // running max of λ
+  float L = 0.f;        // Σ 2^(λ − m)
+};
+__device__ __forceinline__ void fold_coeffs(Fold& f, float lam, float& a, float& c) {
+  const float m_new = fmaxf(f.m, lam);
+  if (m_new == -INFINITY) {                     // nothing attended yet (and not by λ either)
+    a = 0.f;
+    c = 0.f;
+  } else {
+    a = exp2_approx(__fsub_rn(f.m, m_new));     // 2^-inf = 0 for the first finite λ
+    c = exp2_approx(__fsub_rn(lam, m_new));
+  }
+  f.L = __fmaf_rn(f.L, a, c);
+  f.m = m_new;
+}
+__device__ __forceinline__ float fold_elem(float acc, float a, float o, float c) {
+  return __fmaf_rn(acc, a, __fmul_rn(o, c));
+}
+__device__ __forceinline__ void fold_result(const Fold& f, float& lam, float& inv) {
+  lam = f.L > 0.f ? __fadd_rn(f.m, __log2f(f.L)) : -INFINITY;
+  inv = f.L > 0.f ? __fdiv_rn(1.f, f.L) : 0.f;
+}
+
 // Four e4m3 bytes [b0 b1 b2 b3] → bf16x2 (b0, b2) and (b1, b3), each value fp8 · 2^-120 exactly:
 // sign stays at bit 15 of each half, the 7 exponent/mantissa bits move down by 4.
 __device__ __forceinline__ void e4m3x4_to_bf16x2(uint32_t x, uint32_t& even, uint32_t& odd) {
@@ -179,8 +223,13 @@ __device__ __forceinline__ int o_column(int u, int which, int e, int t) {
 
 // ---- attention kernel -----------------------------------------------------------------------
 
+// CTAs per SM the register budget must allow: one row tile → 2 (bf16 hd 256, smem-bound) or
+// 3 (fp8 hd 256: 3 × 76.8 KB smem), i.e. ≤ 170 registers.
+template <bool FP8, int M_TILES>
+constexpr int kMinCtasPerSm = M_TILES == 1 ? (FP8 ? 3 : 2) : 1;
+
 template <int HD, bool FP8, int M_TILES>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm<FP8, M_TILES>)
 paged_decode_kernel(const __grid_constant__ Problem pb) {
   using Tr = Traits<HD, FP8>;
   constexpr int kRows = M_TILES * 16;
@@ -196,17 +245,21 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   float* red_max = reinterpret_cast<float*>(p_smem + kRows * kPStride);     // [kWarps][kRows]
   float* red_sum = red_max + kWarps * kRows;                                // [kWarps][kRows]
 
-  const int split = blockIdx.x / pb.row_groups;
+  const int unit = blockIdx.x / pb.row_groups;                // split, or split group (fused)
   const int row0 = (blockIdx.x % pb.row_groups) * kMaxRows;   // first row of this CTA
   const int kvh = blockIdx.y;                                  // kv head
   const int b = blockIdx.z;                                    // sequence
   const int capacity = a.max_blocks * a.block_size;
   const int seq_len = min(max(a.seq_lens[b], 0), capacity);
   const PagedDecodeSplit plan = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads));
-  if (split >= plan.count) return;                             // whole CTA: no barrier skipped
-  const int kv_begin = split * plan.chunk;
-  const int kv_end = min(kv_begin + plan.chunk, seq_len);      // ≥ kv_begin
+  const int first_split = unit * pb.splits_per_cta;
+  if (first_split >= plan.count) return;                       // whole CTA: no barrier skipped
+  const int last_split = min(first_split + pb.splits_per_cta, plan.count);  // exclusive
+  const bool fused = pb.splits_per_cta > 1;
+  const int kv_begin = first_split * plan.chunk;
+  const int kv_end = min(last_split * plan.chunk, seq_len);    // ≥ kv_begin; splits never share a tile
   const int n_tiles = (kv_end - kv_begin + kTileN - 1) / kTileN;
+  const int tiles_per_split = plan.chunk / kTileN;
   const int rows = min(kMaxRows, pb.rows_total - row0);        // valid rows, ≤ kRows
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -302,6 +355,91 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
       }
     }
   }
+
+  // Fused mode: the canonical level-1 fold of this CTA's splits, in registers.
+  float f_acc[M_TILES][2 * Tr::kVUnits][4];
+  Fold f_row[M_TILES][2];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int n = 0; n < 2 * Tr::kVUnits; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) f_acc[mt][n][i] = 0.f;
+
+  // -- end of split `split`: λ_s, o_s per row; then out (a single-split sequence), the split's
+  //    partial (split mode) or the fold (fused mode); reset the running state. One barrier.
+  const float o_mult = FP8 ? kFp8Restore : 1.f;
+  auto finish_split = [&](int split) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float l = l_run[mt][hh];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (t == 0) red_sum[warp * kRows + mt * 16 + g + 8 * hh] = l;
+      }
+    __syncthreads();                            // (row sums) all warps' sums in red_sum
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = mt * 16 + g + 8 * hh;
+        float l = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) l += red_sum[w * kRows + r];
+        const float inv = l > 0.f ? __fdiv_rn(o_mult, l) : 0.f;
+        const float lam = l > 0.f ? __fadd_rn(m_run[mt][hh], __log2f(l)) : -INFINITY;  // λ_s
+        const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+        if (plan.count == 1) {                  // the sequence's only split: the output itself
+          if (r < rows) {
+            const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
+            __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * HD + warp * Tr::kColsPerWarp;
+#pragma unroll
+            for (int u = 0; u < Tr::kVUnits; ++u)
+#pragma unroll
+              for (int which = 0; which < 2; ++which)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                  out[o_column<FP8>(u, which, e, t)] =
+                      __float2bfloat16_rn(__fmul_rn(o_acc[mt][2 * u + which][2 * hh + e], inv));
+            if (a.lse != nullptr && warp == 0 && t == 0) a.lse[orow] = lam * kLn2;
+          }
+        } else if (!fused) {                    // split mode: partial (λ_s, o_s) for the combine
+          if (r < rows) {
+            const int64_t prow = (((int64_t)b * a.num_kv_heads + kvh) * a.max_splits + split) * pb.rows_total + gr;
+            float* po = a.partial_o + prow * HD + warp * Tr::kColsPerWarp;
+#pragma unroll
+            for (int u = 0; u < Tr::kVUnits; ++u)
+#pragma unroll
+              for (int which = 0; which < 2; ++which)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                  po[o_column<FP8>(u, which, e, t)] = __fmul_rn(o_acc[mt][2 * u + which][2 * hh + e], inv);
+            if (warp == 0 && t == 0) a.partial_lse[prow] = lam;
+          }
+        } else if constexpr (M_TILES == 1) {    // fused mode: level-1 fold in registers
+          float ca, cc;
+          fold_coeffs(f_row[mt][hh], lam, ca, cc);
+#pragma unroll
+          for (int n = 0; n < 2 * Tr::kVUnits; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& f = f_acc[mt][n][2 * hh + e];
+              f = fold_elem(f, ca, __fmul_rn(o_acc[mt][n][2 * hh + e], inv), cc);
+            }
+        }
+      }
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+      for (int n = 0; n < 2 * Tr::kVUnits; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o_acc[mt][n][i] = 0.f;
+      m_run[mt][0] = m_run[mt][1] = -INFINITY;
+      l_run[mt][0] = l_run[mt][1] = 0.f;
+    }
+  };
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     cp_async_wait<kStages - 2>();
@@ -446,76 +584,79 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         }
       }
     }
+    if constexpr (M_TILES == 1) {               // fused mode ends splits inside the CTA's range
+      if ((tile + 1) % tiles_per_split == 0 || tile == n_tiles - 1) finish_split(first_split + tile / tiles_per_split);
+    }
+  }
+  if constexpr (M_TILES == 1) {
+    if (n_tiles == 0) finish_split(first_split);  // seq_len 0: out 0, lse −inf
+  } else {
+    finish_split(first_split);                  // split mode only: one split per CTA
   }
   cp_async_wait<0>();                           // no copy may outlive the CTA (none pending here)
   // Let the combine grid start launching (it waits for this whole grid before reading).
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-  // -- epilogue: l over quads and warps, then out (one split) or the split's partials ---------
+  // -- fused mode: this CTA's group result (λ_g, o_g); the final output when the sequence has
+  //    a single group (level 2 of one group, as the combine would do it), else a group partial
+  if constexpr (M_TILES == 1) {
+    if (fused && plan.count > 1) {
+      const int group = unit;                   // splits [group·kSplitGroup, ...)
+      const bool single = plan.count <= kSplitGroup;
 #pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float l = l_run[mt][hh];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      if (t == 0) red_sum[warp * kRows + mt * 16 + g + 8 * hh] = l;
-    }
-  __syncthreads();                              // (row sums) all warps' sums in red_sum
-
-  const bool direct = plan.count == 1;
-  const float o_mult = FP8 ? kFp8Restore : 1.f;
-#pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = mt * 16 + g + 8 * hh;
-      if (r >= rows) continue;
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) l += red_sum[w * kRows + r];
-      const float inv = l > 0.f ? o_mult / l : 0.f;
-      const float lse2 = l > 0.f ? m_run[mt][hh] + __log2f(l) : -INFINITY;  // log2 units
-      const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
-      if (direct) {
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = g + 8 * hh;
+        if (r >= rows) continue;
+        float lam_g, inv_g;
+        fold_result(f_row[0][hh], lam_g, inv_g);
+        float lam = lam_g, inv = 1.f, ca = 0.f, cc = 0.f;
+        if (single) {
+          Fold top;
+          fold_coeffs(top, lam_g, ca, cc);
+          fold_result(top, lam, inv);
+        }
+        const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
         const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
+        const int64_t prow = (((int64_t)b * a.num_kv_heads + kvh) * a.max_splits + group) * pb.rows_total + gr;
         __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * HD + warp * Tr::kColsPerWarp;
-#pragma unroll
-        for (int u = 0; u < Tr::kVUnits; ++u)
-#pragma unroll
-          for (int which = 0; which < 2; ++which)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              out[o_column<FP8>(u, which, e, t)] = __float2bfloat16_rn(o_acc[mt][2 * u + which][2 * hh + e] * inv);
-        if (a.lse != nullptr && warp == 0 && t == 0) a.lse[orow] = lse2 * kLn2;
-      } else {
-        const int64_t prow = (((int64_t)b * a.num_kv_heads + kvh) * a.max_splits + split) * pb.rows_total + gr;
         float* po = a.partial_o + prow * HD + warp * Tr::kColsPerWarp;
 #pragma unroll
         for (int u = 0; u < Tr::kVUnits; ++u)
 #pragma unroll
           for (int which = 0; which < 2; ++which)
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-              po[o_column<FP8>(u, which, e, t)] = o_acc[mt][2 * u + which][2 * hh + e] * inv;
-        if (warp == 0 && t == 0) a.partial_lse[prow] = lse2;
+            for (int e = 0; e < 2; ++e) {
+              const float o_g = __fmul_rn(f_acc[0][2 * u + which][2 * hh + e], inv_g);
+              if (single)
+                out[o_column<FP8>(u, which, e, t)] = __float2bfloat16_rn(__fmul_rn(fold_elem(0.f, ca, o_g, cc), inv));
+              else
+                po[o_column<FP8>(u, which, e, t)] = o_g;
+            }
+        if (warp == 0 && t == 0) {
+          if (single) {
+            if (a.lse != nullptr) a.lse[orow] = lam * kLn2;
+          } else {
+            a.partial_lse[prow] = lam_g;
+          }
+        }
       }
     }
+  }
 }
 
 // ---- split combine --------------------------------------------------------------------------
 // Grid (nkv · rows_total · hd/64, B), 8 warps: one CTA per (sequence, kv head, row, 64-column
-// slice). Warp 0 turns the splits' λ_s into weights 2^(λ_s − max λ) in smem; then warp w sums
-// splits w, w + 8, ... (all ≤ 16 of its loads in flight at once), lane l owning columns 2l, 2l+1
-// of the slice; smem adds the 8 warps. Launched with programmatic dependent launch: its CTAs
-// become resident while the attention grid drains and wait (griddepcontrol.wait) for its
-// memory, which hides the kernel-to-kernel gap.
-// A first version (one CTA of 64 threads per row, one column each, splits in a serial loop)
-// kept ~1 load in flight per thread: ~128 dependent L2 round trips at 128 splits.
+// slice) of a sequence the attention kernel left in partials. All warps first stage the row's
+// partials for the slice in smem (≤ 128 × 256 B, every load in flight at once); thread 0 runs
+// the canonical fold's per-row recurrences (λ → a, c, 1/L: ~128 dependent steps, ≈ 0.5 µs);
+// then thread c < 64 folds column c. Split mode: level 1 over each group's splits, then level 2;
+// fused mode: the partials already are group results, level 2 only. Launched with programmatic
+// dependent launch: its CTAs become resident while the attention grid drains and wait
+// (griddepcontrol.wait) for its memory, which hides the kernel-to-kernel gap.
+// A first version (one CTA of 64 threads per row, one column each, splits in a serial loop of
+// global loads) kept ~1 load in flight per thread: ~128 dependent L2 round trips.
 constexpr int kCombineWarps = 8;
 constexpr int kCombineCols = 64;                                       // columns per CTA
-constexpr int kCombineSplitsPerWarp = kPagedDecodeMaxSplits / kCombineWarps;
-static_assert(kPagedDecodeMaxSplits % kCombineWarps == 0, "combine split ownership");
 
 __global__ void __launch_bounds__(kCombineWarps * 32)
 paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
@@ -526,59 +667,64 @@ paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
   const int gr = rest % pb.rows_total, kvh = rest / pb.rows_total, b = blockIdx.y;
   const int seq_len = min(max(a.seq_lens[b], 0), a.max_blocks * a.block_size);
   const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
-  if (count <= 1) return;                       // written by the attention kernel
+  const bool fused = pb.splits_per_cta > 1;
+  const int groups = (count + kSplitGroup - 1) / kSplitGroup;
+  if (count <= 1 || (fused && groups <= 1)) return;            // written by the attention kernel
+  const int stored = fused ? groups : count;                  // partial slots holding data
 
-  __shared__ float weight[kPagedDecodeMaxSplits];     // 2^(λ_s − max λ)
-  __shared__ float2 partial[kCombineWarps][kCombineCols / 2];
-  __shared__ float total_s, max_s;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ __align__(16) float o_s[kPagedDecodeMaxSplits][kCombineCols];  // partials, this slice
+  __shared__ float lam_s[kPagedDecodeMaxSplits];
+  __shared__ float coef_a[kPagedDecodeMaxSplits], coef_c[kPagedDecodeMaxSplits];  // level 1
+  __shared__ float g_inv[kMaxGroups], g_a[kMaxGroups], g_c[kMaxGroups];       // level 1 → 2
+  __shared__ float top_lam, top_inv;
   const int64_t prow0 = ((int64_t)b * a.num_kv_heads + kvh) * a.max_splits * pb.rows_total + gr;
-  const int64_t split_stride = pb.rows_total;   // partial rows between consecutive splits
-  if (warp == 0) {
-    float mx = -INFINITY;
-    for (int s = lane; s < count; s += 32) mx = fmaxf(mx, a.partial_lse[prow0 + s * split_stride]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float sum = 0.f;
-    for (int s = lane; s < count; s += 32) {
-      const float w = mx == -INFINITY ? 0.f : exp2_approx(a.partial_lse[prow0 + s * split_stride] - mx);
-      weight[s] = w;
-      sum += w;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) { total_s = sum; max_s = mx; }
+  const int64_t split_stride = pb.rows_total;   // partial rows between consecutive slots
+  const float* po = a.partial_o + prow0 * hd + slice * kCombineCols;
+  constexpr int kVecPerSlot = kCombineCols / 4;
+  for (int i = threadIdx.x; i < stored * kVecPerSlot; i += kCombineWarps * 32) {
+    const int slot = i / kVecPerSlot, v = i % kVecPerSlot;
+    *reinterpret_cast<float4*>(&o_s[slot][4 * v]) =
+        *reinterpret_cast<const float4*>(po + slot * split_stride * hd + 4 * v);
   }
-  __syncthreads();                              // (weights) weight[], total_s, max_s ready
+  for (int i = threadIdx.x; i < stored; i += kCombineWarps * 32) lam_s[i] = a.partial_lse[prow0 + i * split_stride];
+  __syncthreads();                              // (staged) partials of this slice in smem
 
-  const float* po = a.partial_o + prow0 * hd + slice * kCombineCols + 2 * lane;
-  float2 acc = make_float2(0.f, 0.f);
-#pragma unroll
-  for (int i = 0; i < kCombineSplitsPerWarp; ++i) {
-    const int s = warp + i * kCombineWarps;
-    if (s < count) {
-      const float2 v = *reinterpret_cast<const float2*>(po + s * split_stride * hd);
-      const float w = weight[s];
-      acc.x += w * v.x;
-      acc.y += w * v.y;
+  if (threadIdx.x == 0) {                       // the per-row recurrences, in split order
+    Fold top;
+    for (int gi = 0; gi < groups; ++gi) {
+      float lam_g = lam_s[gi], inv_g = 1.f;
+      if (!fused) {
+        Fold f;
+        for (int sp = gi * kSplitGroup; sp < min(count, (gi + 1) * kSplitGroup); ++sp)
+          fold_coeffs(f, lam_s[sp], coef_a[sp], coef_c[sp]);
+        fold_result(f, lam_g, inv_g);
+      }
+      g_inv[gi] = inv_g;
+      fold_coeffs(top, lam_g, g_a[gi], g_c[gi]);
     }
+    fold_result(top, top_lam, top_inv);
   }
-  partial[warp][lane] = acc;
-  __syncthreads();                              // (warp sums) partial[][] complete
+  __syncthreads();                              // (coefficients) ready
 
-  const float total = total_s;
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
-  const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
   if (threadIdx.x < kCombineCols) {
     const int c = threadIdx.x;
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kCombineWarps; ++w) sum += (c & 1) ? partial[w][c / 2].y : partial[w][c / 2].x;
-    static_cast<__nv_bfloat16*>(a.out)[orow * hd + slice * kCombineCols + c] = __float2bfloat16_rn(sum * inv);
+    float acc_top = 0.f;
+    for (int gi = 0; gi < groups; ++gi) {
+      float o_g = o_s[gi][c];
+      if (!fused) {
+        float acc = 0.f;
+        for (int sp = gi * kSplitGroup; sp < min(count, (gi + 1) * kSplitGroup); ++sp)
+          acc = fold_elem(acc, coef_a[sp], o_s[sp][c], coef_c[sp]);
+        o_g = __fmul_rn(acc, g_inv[gi]);
+      }
+      acc_top = fold_elem(acc_top, g_a[gi], o_g, g_c[gi]);
+    }
+    const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+    const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
+    static_cast<__nv_bfloat16*>(a.out)[orow * hd + slice * kCombineCols + c] =
+        __float2bfloat16_rn(__fmul_rn(acc_top, top_inv));
+    if (a.lse != nullptr && slice == 0 && c == 0) a.lse[orow] = top_lam * kLn2;
   }
-  if (a.lse != nullptr && slice == 0 && threadIdx.x == 0)
-    a.lse[orow] = total > 0.f ? (max_s + __log2f(total)) * kLn2 : -INFINITY;
 }
 
 // Combine launch: programmatic dependent launch (see above); a plain launch where the
@@ -636,7 +782,8 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
                                                (int)cudaSharedmemCarveoutMaxShared));
     opted_in[device] = true;
   }
-  const dim3 grid(pb.a.max_splits * pb.row_groups, pb.a.num_kv_heads, pb.a.batch);
+  const int units = (pb.a.max_splits + pb.splits_per_cta - 1) / pb.splits_per_cta;  // per sequence
+  const dim3 grid(units * pb.row_groups, pb.a.num_kv_heads, pb.a.batch);
   kernel<<<grid, kThreads, smem, stream>>>(pb);
   return cudaGetLastError();
 }
@@ -683,6 +830,15 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
   }
   pb.score_mult = a.softmax_scale * kLog2e * (fp8 ? kFp8Restore : 1.f);
   const int m_tiles = (min(pb.rows_total, kMaxRows) + 15) / 16;
+  // Fused mode (one CTA per group of kSplitGroup splits, folded in registers: partial-O traffic
+  // / 8, and none at all for sequences of ≤ 8 splits) once the batch alone gives ≥ kFusedMinCtas
+  // CTAs; below that, one CTA per split keeps small batches spread over the SMs. Same bits
+  // either way (the canonical merge), so the choice may depend on B. One row tile only: the
+  // fold's registers (+32 at hd 256) do not fit beside 2–4 row tiles of O.
+  constexpr int64_t kFusedMinCtas = 256;        // ≈ one wave at 2 CTAs per SM on 132 SMs
+  const int64_t groups_max = (a.max_splits + kSplitGroup - 1) / kSplitGroup;
+  pb.splits_per_cta = (m_tiles == 1 && a.max_splits > 1 &&
+                       (int64_t)a.batch * a.num_kv_heads * groups_max >= kFusedMinCtas) ? kSplitGroup : 1;
 
   cudaError_t err;
   switch (a.head_dim) {
@@ -691,7 +847,8 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
     default: err = fp8 ? launch_rows<256, true>(pb, m_tiles, stream) : launch_rows<256, false>(pb, m_tiles, stream); break;
   }
   ATLAS_RETURN_IF_ERROR(err);
-  if (a.max_splits > 1) ATLAS_RETURN_IF_ERROR(launch_combine(pb, stream));
+  const bool partials = pb.splits_per_cta > 1 ? groups_max > 1 : a.max_splits > 1;
+  if (partials) ATLAS_RETURN_IF_ERROR(launch_combine(pb, stream));
   return cudaSuccess;
 }
 

@@ -248,7 +248,8 @@ KERNEL_CASES = [  # (B, max_len, bs, hd, nq, nkv, q_len): sampled, L = 32768 onl
     (3, 1000, 16, 128, 16, 1, 8),        # 128 rows per kv head: two row groups
     (3, 300, 16, 64, 16, 16, 1),         # group 1
     (128, 17, 16, 64, 8, 8, 3),
-    (128, 1000, 16, 256, 24, 4, 1),
+    (128, 1000, 16, 256, 24, 4, 1),      # fused mode: one CTA folds each sequence's 4 splits
+    (64, 3000, 16, 64, 8, 8, 1),         # fused mode with 2 split groups + combine
     (1, 32768, 16, 256, 16, 2, 1),
     (1, 32768, 16, 256, 24, 4, 3),
     (3, 32768, 528, 128, 8, 8, 8),
@@ -310,7 +311,8 @@ def test_kernel_strided_query_view():
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("q_len", [1, 8])
 def test_kernel_batch_invariant(kv_dtype, q_len):
-    """A sequence's output bits do not depend on the rest of the batch nor on the table width."""
+    """A sequence's output bits do not depend on the rest of the batch nor on the table width
+    (at q_len 1 the batch runs in fused mode and the sequence alone in split mode)."""
     case = make_case(16, 20000, 16, 256, 16, 2, q_len, kv_dtype, device="cuda", seed=41 + q_len)
     out, lse = call(case, return_lse=True)
     for i in (0, 7, 15):

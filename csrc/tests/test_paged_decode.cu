@@ -1,11 +1,12 @@
 // C++ driver (no torch): launch_paged_decode against a float64 host re-implementation of the
 // reference (causal GQA attention over the paged cache), for every head dim, both KV dtypes,
 // 1/2/4 MMA row tiles and two row groups, block sizes 7/16/528, single- and multi-split
-// sequences, seq_len 0. Every cache slot a sequence does not own holds NaN (bf16 0xFFFF, e4m3
-// 0x7F, scale NaN), unused block-table entries an out-of-range id, and the output starts as
-// NaN: reading past a sequence or skipping a write fails the check. A last case feeds bad
-// block ids and seq_lens: it must run clean under compute-sanitizer (memcheck: no read outside
-// the pools; racecheck: the shared-memory pipeline). Exit 77 = no GPU (ctest: skipped).
+// sequences in split and fused mode, seq_len 0. Every cache slot a sequence does not own holds
+// NaN (bf16 0xFFFF, e4m3 0x7F, scale NaN), unused block-table entries an out-of-range id, and
+// the output starts as NaN: reading past a sequence or skipping a write fails the check. The
+// last cases feed bad block ids and seq_lens: they must run clean under compute-sanitizer
+// (memcheck: no read outside the pools; racecheck: the shared-memory pipeline).
+// Exit 77 = no GPU (ctest: skipped).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -208,6 +209,8 @@ int main() {
       {2, 600, 16, 64, 16, 1, 8, true, false},
       {2, 5000, 16, 256, 16, 2, 2, false, false},  // 20 splits, 16 rows → 1 row tile
       {2, 5000, 16, 256, 16, 2, 2, true, false},
+      {48, 2500, 16, 64, 16, 8, 1, false, false},  // fused mode (48·8·2 ≥ 256 CTAs), 2 groups
+      {48, 2500, 16, 64, 16, 8, 1, true, false},
       {3, 400, 16, 128, 8, 2, 1, false, true},     // bad ids / seq_lens: memory safety
       {3, 400, 16, 256, 8, 2, 1, true, true},
   };
