@@ -79,15 +79,19 @@ def detect_dialect(config: dict, keys, *, hf_quant_config: dict | None = None) -
     "nvfp4-pack-quantized" / fp8 128×128 blocks), else ModelOpt's legacy `hf_quant_config.json`,
     else tensor names (`.weight_packed` → compressed-tensors, `.weight_scale_2` → ModelOpt,
     `.weight_scale_inv` → FP8), else "bf16". Unsupported quantization methods raise."""
+    keys = list(keys)
     qc = config.get("quantization_config") or text_config(config).get("quantization_config")
     if qc:
         method = str(qc.get("quant_method", "")).lower()
         if method == "modelopt":
-            algo = str(qc.get("quant_algo", "")).upper()
-            if algo != "NVFP4":
-                raise CheckpointError(f"quantization_config: ModelOpt quant_algo {algo!r} is not supported "
-                                      "(atlas loads NVFP4, Qwen FP8 block-scaled and BF16)")
-            return "modelopt_nvfp4"
+            algo = str(qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo") or "").upper()
+            # no algo stated (or MIXED_PRECISION): NVFP4 if the tensors say so; per-module checks
+            # then reject any module in another ModelOpt format
+            if algo == "NVFP4" or (algo in ("", "MIXED_PRECISION")
+                                   and any(k.endswith(".weight_scale_2") for k in keys)):
+                return "modelopt_nvfp4"
+            raise CheckpointError(f"quantization_config: ModelOpt quant_algo {algo or None!r} is not supported "
+                                  "(atlas loads NVFP4, Qwen FP8 block-scaled and BF16)")
         if method == "compressed-tensors":
             formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()
                                             if isinstance(g, dict)}
@@ -110,7 +114,6 @@ def detect_dialect(config: dict, keys, *, hf_quant_config: dict | None = None) -
             return "modelopt_nvfp4"
         if algo:
             raise CheckpointError(f"hf_quant_config.json: quant_algo {algo!r} is not supported")
-    keys = list(keys)
     if any(k.endswith(".weight_packed") for k in keys):
         return "compressed_tensors_nvfp4"
     if any(k.endswith(".weight_scale_2") for k in keys):

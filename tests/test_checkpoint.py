@@ -166,6 +166,12 @@ def test_dialect_from_config_and_from_tensor_names(tmp_path, dialect):
 
 def test_dialect_legacy_hf_quant_config_and_unsupported_methods():
     assert detect_dialect({}, [], hf_quant_config={"quantization": {"quant_algo": "NVFP4"}}) == "modelopt_nvfp4"
+    nested = {"quantization_config": {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}}}
+    assert detect_dialect(nested, []) == "modelopt_nvfp4"
+    mixed = {"quantization_config": {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}}
+    assert detect_dialect(mixed, ["a.weight", "a.weight_scale", "a.weight_scale_2"]) == "modelopt_nvfp4"
+    with pytest.raises(CheckpointError, match="MIXED_PRECISION"):
+        detect_dialect(mixed, ["a.weight", "a.weight_scale"])
     for qc, word in [({"quant_method": "gptq"}, "gptq"), ({"quant_method": "modelopt", "quant_algo": "FP8"}, "FP8"),
                      ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),
                      ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size")]:
