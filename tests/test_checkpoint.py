@@ -216,8 +216,12 @@ def test_writer_rejects_bad_arguments(tmp_path):
 # =============================================================================================
 
 
+def _dense_of(src: Path, module: str) -> torch.Tensor:
+    return load_state_dict(src, module + ".weight")[module + ".weight"].float()
+
+
 def test_compressed_tensors_compressor_output_loads_like_its_decompressor(tmp_path):
-    ct = pytest.importorskip("compressed_tensors")
+    pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
@@ -257,11 +261,7 @@ def test_compressed_tensors_compressor_output_loads_like_its_decompressor(tmp_pa
         ours, theirs = q.dequantize(torch.float32), expected[m].float()
         # CT's decompressor works in bf16: one bf16 rounding (≤ 2^-9 relative) apart
         assert ((ours - theirs).abs() <= ours.abs() * 2**-8).all(), m
-        assert rel_err(ours, tensors_dense(src, m)) < DENSE_BOUND["compressed_tensors_nvfp4"], m
-
-
-def tensors_dense(src, module):
-    return load_state_dict(src, module + ".weight")[module + ".weight"].float()
+        assert rel_err(ours, _dense_of(src, m)) < DENSE_BOUND["compressed_tensors_nvfp4"], m
 
 
 # =============================================================================================
