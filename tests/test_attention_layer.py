@@ -295,3 +295,24 @@ def test_cuda_write_kv_equals_forward_kv(dialect, kv_dtype, t):
         if a is not None:
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else \
                 torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("step", [{"x": 1, "y": 1, "z": 1}, {"x": 4, "y": 4, "z": 4}, {"x": 1, "y": 3, "z": 12}])
+def test_cuda_forward_never_syncs(step):
+    """Decode, verify and mixed steps issue no host sync (torch's sync debug mode raises on one)."""
+    cfg = real_config("35b_a3b")
+    g = _gen("nosync", tuple(step.values()))
+    attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, "bf16", "l.", g, "cuda"), "l.", "nvfp4", "cuda")
+    cache = PagedKvCache(cfg, 1, 64, torch.float8_e4m3fn, "cuda")
+    for s in step:
+        attn(torch.randn(20, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda(), cache.plan({s: 20}), cache)
+    x = torch.randn(sum(step.values()), cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
+    attn(x, cache.plan(step), cache)                        # warm-up (lazy inits may sync once)
+    meta = cache.plan(step)                                  # plan() may sync: outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        attn(x, meta, cache)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
