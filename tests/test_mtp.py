@@ -275,7 +275,7 @@ def test_step_fp8_kv_matches_hf(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("weight_format", FORMATS)
-@pytest.mark.parametrize("prompt,k", [(1, 1), (17, 3), (40, 4)])
+@pytest.mark.parametrize("prompt,k", [(1, 1), (16, 4), (17, 3), (40, 4)])   # 16: draft rows cross a block
 def test_propose_is_hf_greedy_chain(kind, weight_format, prompt, k):
     g = _gen("chain", kind, weight_format, prompt, k)
     head = _head(kind, weight_format)
@@ -296,14 +296,14 @@ def test_propose_is_hf_greedy_chain(kind, weight_format, prompt, k):
 @pytest.mark.parametrize("kind", KINDS)
 def test_batched_propose_equals_single(kind):
     g = _gen("batch", kind)
-    prompts = [9, 20, 1]
+    prompts = [9, 20, 1, 15, 16]   # 15, 16: the drafts' rows cross a 16-row block boundary
     data = [_inputs(g, _head(kind), p) for p in prompts]
     batched = _head(kind)
     for i, (p, (t, h)) in enumerate(zip(prompts, data)):
         batched.prefill(i, t[:p], h[:p])
     last = torch.stack([t[p] for p, (t, h) in zip(prompts, data)])
     hid = torch.stack([h[p - 1] for p, (t, h) in zip(prompts, data)])
-    drafts, conf = batched.propose([0, 1, 2], last, hid, 3)
+    drafts, conf = batched.propose(list(range(len(prompts))), last, hid, 3)
     for i, (p, (t, h)) in enumerate(zip(prompts, data)):
         single = _head(kind)
         single.prefill("x", t[:p], h[:p])
