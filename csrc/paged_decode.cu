@@ -680,13 +680,23 @@ paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
   const int64_t prow0 = ((int64_t)b * a.num_kv_heads + kvh) * a.max_splits * pb.rows_total + gr;
   const int64_t split_stride = pb.rows_total;   // partial rows between consecutive slots
   const float* po = a.partial_o + prow0 * hd + slice * kCombineCols;
+  // All loads first (λ and ≤ 8 float4 per thread, in flight together), then the smem stores.
+  static_assert(kPagedDecodeMaxSplits <= kCombineWarps * 32, "one λ per thread");
+  const float lam_mine = threadIdx.x < stored ? a.partial_lse[prow0 + threadIdx.x * split_stride] : 0.f;
   constexpr int kVecPerSlot = kCombineCols / 4;
-  for (int i = threadIdx.x; i < stored * kVecPerSlot; i += kCombineWarps * 32) {
-    const int slot = i / kVecPerSlot, v = i % kVecPerSlot;
-    *reinterpret_cast<float4*>(&o_s[slot][4 * v]) =
-        *reinterpret_cast<const float4*>(po + slot * split_stride * hd + 4 * v);
+  constexpr int kVecPerThread = kPagedDecodeMaxSplits * kVecPerSlot / (kCombineWarps * 32);
+  float4 staged[kVecPerThread];
+#pragma unroll
+  for (int k = 0; k < kVecPerThread; ++k) {
+    const int i = threadIdx.x + k * kCombineWarps * 32, slot = i / kVecPerSlot, v = i % kVecPerSlot;
+    if (slot < stored) staged[k] = *reinterpret_cast<const float4*>(po + slot * split_stride * hd + 4 * v);
   }
-  for (int i = threadIdx.x; i < stored; i += kCombineWarps * 32) lam_s[i] = a.partial_lse[prow0 + i * split_stride];
+#pragma unroll
+  for (int k = 0; k < kVecPerThread; ++k) {
+    const int i = threadIdx.x + k * kCombineWarps * 32, slot = i / kVecPerSlot, v = i % kVecPerSlot;
+    if (slot < stored) *reinterpret_cast<float4*>(&o_s[slot][4 * v]) = staged[k];
+  }
+  if (threadIdx.x < stored) lam_s[threadIdx.x] = lam_mine;
   __syncthreads();                              // (staged) partials of this slice in smem
 
   if (threadIdx.x == 0) {                       // the per-row recurrences, in split order
