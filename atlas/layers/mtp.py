@@ -136,13 +136,15 @@ class MtpHead:
             _check_int(op, name, v, minimum=1)
         h = cfg.hidden_size
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:   # "cuda" → "cuda:N", so shared weights compare equal
+            device = torch.device("cuda", torch.cuda.current_device())
         check_tensor(op, "embed_tokens", embed_tokens, dtype=torch.bfloat16, shape=(None, h),
                      what=f"bf16 [V, h={h}]")
         embed_tokens = embed_tokens.to(device).contiguous()
         if isinstance(lm_head, NVFP4Weight):
             if lm_head.shape[1] != h:
                 raise ValueError(f"{op}: lm_head must be [V, h={h}], got {list(lm_head.shape)}")
-            lm_head = lm_head.to(device) if lm_head.device != device else lm_head
+            lm_head = lm_head.to(device) if lm_head.device != device else lm_head   # keeps its derived layouts
         else:
             check_tensor(op, "lm_head", lm_head, dtype=torch.bfloat16, shape=(None, h),
                          what=f"bf16 [V, h={h}] or an NVFP4Weight")
