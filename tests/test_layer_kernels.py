@@ -16,6 +16,14 @@ def _gen(*key):
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
+def _close_after_cancellation(out: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within one bf16 step of want, or within 2^-20 of the tensor's amax: RoPE's x1·c − x2·s can
+    cancel to a tiny value whose float32 rounding noise (~1e-7 of the operands) is many bf16 steps
+    of the result; the absolute term admits exactly that and nothing larger."""
+    atol = want.float().abs().max() * 2.0**-20
+    return bool(((_bf16_ulps(out, want) <= 1.0) | ((out.float() - want.float()).abs() <= atol)).all())
+
+
 def _bf16_ulps(out: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """|out − want| in units of want's bf16 ulp (2^-7 · 2^floor(log2|want|), at least 2^-133)."""
     w = want.float()
@@ -216,11 +224,11 @@ def test_cuda_qk_norm_rope(t, heads, hd, rot, kv_dtype, gated_layout):
     got_q = ops.qk_norm_rope(q.cuda(), k.cuda(), v.cuda(), qw.cuda(), kw.cuda(), pos.cuda(), kc_d, vc_d,
                              slots.cuda(), ks_d, vs_d, **kw_).cpu()
     # fp32 math with float64 angles in both; rsqrtf/order differences → ≤ 1 bf16 step
-    assert bool((_bf16_ulps(got_q, want_q) <= 1.0).all()), "q"
+    assert _close_after_cancellation(got_q, want_q), "q"
     # V is copied (bf16) or quantized from the same bf16 input: bit-exact; unwritten slots keep NaN
     assert torch.equal(vc_d.cpu().view(torch.uint8), vc.view(torch.uint8))
     if kv_dtype == torch.bfloat16:
-        assert bool((_bf16_ulps(kc_d.cpu().nan_to_num(0), kc.nan_to_num(0)) <= 1.0).all())
+        assert _close_after_cancellation(kc_d.cpu().nan_to_num(0), kc.nan_to_num(0))
         assert torch.equal(kc_d.cpu().isnan(), kc.isnan())
     else:
         assert torch.equal(vs_d.cpu().nan_to_num(-1), vs.nan_to_num(-1))
