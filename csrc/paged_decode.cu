@@ -647,9 +647,9 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
 // ---- split combine --------------------------------------------------------------------------
 // Grid (nkv · rows_total · hd/64, B), 8 warps: one CTA per (sequence, kv head, row, 64-column
 // slice) of a sequence the attention kernel left in partials. All warps first stage the row's
-// partials for the slice in smem (≤ 128 × 256 B, every load in flight at once); thread 0 runs
-// the canonical fold's per-row recurrences (λ → a, c, 1/L: ~128 dependent steps, ≈ 0.5 µs);
-// then thread c < 64 folds column c. Split mode: level 1 over each group's splits, then level 2;
+// partials for the slice in smem (≤ 128 × 256 B, every load in flight at once); thread gi runs
+// the canonical fold's per-row recurrence of group gi (λ → a, c, 1/L: ≤ 8 dependent steps),
+// thread 0 the one over the ≤ 16 groups; then thread c < 64 folds column c. Split mode: level 1 over each group's splits, then level 2;
 // fused mode: the partials already are group results, level 2 only. Launched with programmatic
 // dependent launch: its CTAs become resident while the attention grid drains and wait
 // (griddepcontrol.wait) for its memory, which hides the kernel-to-kernel gap.
@@ -675,7 +675,7 @@ paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
   __shared__ __align__(16) float o_s[kPagedDecodeMaxSplits][kCombineCols];  // partials, this slice
   __shared__ float lam_s[kPagedDecodeMaxSplits];
   __shared__ float coef_a[kPagedDecodeMaxSplits], coef_c[kPagedDecodeMaxSplits];  // level 1
-  __shared__ float g_inv[kMaxGroups], g_a[kMaxGroups], g_c[kMaxGroups];       // level 1 → 2
+  __shared__ float g_lam[kMaxGroups], g_inv[kMaxGroups], g_a[kMaxGroups], g_c[kMaxGroups];  // level 1 → 2
   __shared__ float top_lam, top_inv;
   const int64_t prow0 = ((int64_t)b * a.num_kv_heads + kvh) * a.max_splits * pb.rows_total + gr;
   const int64_t split_stride = pb.rows_total;   // partial rows between consecutive slots
@@ -699,22 +699,25 @@ paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
   if (threadIdx.x < stored) lam_s[threadIdx.x] = lam_mine;
   __syncthreads();                              // (staged) partials of this slice in smem
 
-  if (threadIdx.x == 0) {                       // the per-row recurrences, in split order
-    Fold top;
-    for (int gi = 0; gi < groups; ++gi) {
-      float lam_g = lam_s[gi], inv_g = 1.f;
-      if (!fused) {
-        Fold f;
-        for (int sp = gi * kSplitGroup; sp < min(count, (gi + 1) * kSplitGroup); ++sp)
-          fold_coeffs(f, lam_s[sp], coef_a[sp], coef_c[sp]);
-        fold_result(f, lam_g, inv_g);
-      }
-      g_inv[gi] = inv_g;
-      fold_coeffs(top, lam_g, g_a[gi], g_c[gi]);
+  if (threadIdx.x < groups) {                   // level-1 recurrences: thread gi, group gi
+    const int gi = threadIdx.x;
+    float lam_g = lam_s[gi], inv_g = 1.f;
+    if (!fused) {
+      Fold f;
+      for (int sp = gi * kSplitGroup; sp < min(count, (gi + 1) * kSplitGroup); ++sp)
+        fold_coeffs(f, lam_s[sp], coef_a[sp], coef_c[sp]);
+      fold_result(f, lam_g, inv_g);
     }
+    g_lam[gi] = lam_g;
+    g_inv[gi] = inv_g;
+  }
+  __syncthreads();                              // (level 1) group λ, 1/L ready
+  if (threadIdx.x == 0) {                       // level-2 recurrence over the groups, in order
+    Fold top;
+    for (int gi = 0; gi < groups; ++gi) fold_coeffs(top, g_lam[gi], g_a[gi], g_c[gi]);
     fold_result(top, top_lam, top_inv);
   }
-  __syncthreads();                              // (coefficients) ready
+  __syncthreads();                              // (level 2) coefficients ready
 
   if (threadIdx.x < kCombineCols) {
     const int c = threadIdx.x;
