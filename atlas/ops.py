@@ -453,8 +453,9 @@ def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
     reshape_and_cache already wrote); query head h reads kv head h // (nq / nkv). Position p
     of sequence b is k_cache[block_tables[b, p // bs], p % bs]. FP8 caches hold
     float(k8) · k_scale per (token, kv head) row. CUDA: one tensor-core split-K kernel (+ a
-    small combine kernel when max_blocks · bs > 256), no host sync, CUDA-graph capturable;
-    a sequence's output does not depend on the rest of the batch, bit for bit.
+    small combine kernel when a sequence may span several 256-position splits), no host sync,
+    CUDA-graph capturable; a sequence's output does not depend on the rest of the batch, bit
+    for bit (the splits of a sequence depend on its seq_len only).
 
     Args:
         query: [B, nq, hd] (one token per sequence) or [B, q_len, nq, hd] (q_len ≤ 8, a
