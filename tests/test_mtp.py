@@ -399,6 +399,34 @@ def test_accept_leaves_kv_of_fresh_prefill(kind, accepted, kv_dtype):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_accept_batch_equals_per_sequence_accept(kind):
+    g = _gen("accept-batch", kind)
+    prompts, accepted = [7, 16, 3], [2, 0, 3]
+    data = [_inputs(g, _head(kind), p) for p in prompts]
+    heads = [_head(kind), _head(kind)]
+    verify = [torch.randn(4, heads[0].hidden_size, generator=g).bfloat16() for _ in prompts]
+    drafts = []
+    for head in heads:
+        for i, (p, (t, h)) in enumerate(zip(prompts, data)):
+            head.prefill(i, t[:p], h[:p])
+        last = torch.stack([t[p] for p, (t, h) in zip(prompts, data)])
+        hid = torch.stack([h[p - 1] for p, (t, h) in zip(prompts, data)])
+        drafts.append(head.propose([0, 1, 2], last, hid, 3)[0])
+    assert torch.equal(drafts[0], drafts[1])
+    d = drafts[0]
+    heads[0].accept_batch([0, 1, 2], accepted, torch.cat([v[:a] for v, a in zip(verify, accepted)]),
+                          torch.cat([d[i, :a] for i, a in enumerate(accepted)]))
+    for i, a in enumerate(accepted):
+        heads[1].accept(i, a, verify[i][:a], d[i, :a].clone())
+    for i, p in enumerate(prompts):
+        assert heads[0].cache.seq_len(i) == heads[1].cache.seq_len(i) == p + accepted[i]
+        for ours, want in zip(_kv_rows(heads[0], i), _kv_rows(heads[1], i)):
+            assert rel_err(ours, want) < 1e-2
+    with pytest.raises(ValueError, match="no propose"):
+        heads[0].accept_batch([0], [0], verify[0][:0], d[0, :0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_propose_after_accept_matches_hf(kind):
     """Two rounds: propose, accept 1, propose again — drafts stay the reference's greedy chain."""
     g = _gen("rounds", kind)

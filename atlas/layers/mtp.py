@@ -331,21 +331,46 @@ class MtpHead:
         Effect: rows ≥ P (built from draft hiddens, or rejected) are dropped and rows
         P .. P+a−1 are recomputed from (d_j, H_{P+j−1}), so the drafter KV equals what
         prefill over t_0 .. t_{P+a} would hold. Next: propose(bonus token, H_{P+a}).
+        For many sequences use accept_batch (one plan and one K/V forward for all).
+        """
+        self.accept_batch([seq_id], [num_accepted], target_hidden_rows, tokens)
+
+    def accept_batch(self, seq_ids: Sequence[Hashable], num_accepted: Sequence[int], target_hidden_rows: Tensor,
+                     tokens: Tensor) -> None:
+        """accept() for B sequences at once: one cache.plan and one K/V-only forward over all
+        recomputed rows (instead of B of each: the verify loop of a batch stays a few launches).
+
+        Args:
+            seq_ids: B distinct sequences with a pending propose.
+            num_accepted: B ints a_b (0 ≤ a_b ≤ k_b).
+            target_hidden_rows: bf16 [Σ a_b, h]: each sequence's H rows (as in accept), in
+                seq_ids order. tokens: int64 [Σ a_b]: each sequence's accepted drafts, same order.
+        Validation happens before any state changes.
         """
         op = "MtpHead.accept"
-        if seq_id not in self._pending:
-            raise ValueError(f"{op}: seq_id {seq_id!r} has no propose awaiting accept()")
-        base, k = self._pending[seq_id]
-        _check_int(op, "num_accepted", num_accepted, minimum=0)
-        if num_accepted > k:
-            raise ValueError(f"{op}: num_accepted must be ≤ the {k} drafts proposed, got {num_accepted}")
+        seq_ids, num_accepted = list(seq_ids), list(num_accepted)
+        if len(set(seq_ids)) != len(seq_ids) or len(num_accepted) != len(seq_ids):
+            raise ValueError(f"{op}: seq_ids must be distinct and match num_accepted one to one, got "
+                             f"{seq_ids} and {num_accepted}")
+        for s, a in zip(seq_ids, num_accepted):
+            if s not in self._pending:
+                raise ValueError(f"{op}: seq_id {s!r} has no propose awaiting accept()")
+            _check_int(op, "num_accepted", a, minimum=0)
+            if a > self._pending[s][1]:
+                raise ValueError(f"{op}: num_accepted must be ≤ the {self._pending[s][1]} drafts proposed for "
+                                 f"{s!r}, got {a}")
+        total = sum(num_accepted)
         check_tensor(op, "target_hidden_rows", target_hidden_rows, dtype=torch.bfloat16,
-                     shape=(num_accepted, self.hidden_size), what=f"bf16 [num_accepted, h={self.hidden_size}]")
-        check_tensor(op, "tokens", tokens, dtype=torch.int64, shape=(num_accepted,), what="int64 [num_accepted]")
-        del self._pending[seq_id]
-        self.cache.truncate(seq_id, base + 1)          # keep rows ..P−1 (row P−1 was exact)
-        if num_accepted:
-            self._append_rows(seq_id, tokens.to(self.device), target_hidden_rows.to(self.device))
+                     shape=(total, self.hidden_size), what=f"bf16 [num_accepted, h={self.hidden_size}]")
+        check_tensor(op, "tokens", tokens, dtype=torch.int64, shape=(total,), what="int64 [num_accepted]")
+        for s in seq_ids:
+            base, _ = self._pending.pop(s)
+            self.cache.truncate(s, base + 1)           # keep rows ..P−1 (row P−1 was exact)
+        rows = {s: a for s, a in zip(seq_ids, num_accepted) if a > 0}
+        if rows:   # Σ a ≤ 32 · 8 rows in practice: one chunk
+            meta = self._plan(rows)
+            self._forward(tokens.to(self.device), target_hidden_rows.to(self.device), _shift_positions(meta),
+                          kv_only=True)
 
     def cancel_propose(self, seq_ids: Sequence[Hashable]) -> None:
         """Undo the last propose() of these sequences entirely (drop all its rows, including
