@@ -1132,10 +1132,11 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
                      what="bf16 [T]")
     if use_kernel(x):
         s4 = (g[1], g[2], u[0], u[1], u[2], d[0], d[1], d[2]) if g4 else (None, None, u[0], None, None, d[0], None, None)
-        # T > 1: run the gate/up pairs grouped by expert (a device sort, no sync) so pairs that
-        # share an expert re-read its weights from L2 (csrc/moe_experts.cu); T = 1 has k distinct
-        # experts already
-        order = torch.argsort(ids.view(-1), stable=True).to(torch.int32) if t > 1 else None
+        # Many pairs (2·T·k ≥ E, e.g. T ≥ 16 at top-8 of 256): run the gate/up pairs grouped by
+        # expert (a device sort, no sync) so pairs sharing an expert re-read its weights from L2
+        # (csrc/moe_experts.cu). Fewer pairs rarely share an expert (T = 1 never does): the
+        # sort's two launches would cost more than the L2 hits save.
+        order = torch.argsort(ids.view(-1), stable=True).to(torch.int32) if 2 * t * k >= g[0].shape[0] else None
         return torch.ops.atlas.moe_experts(x, ids, weights, g[0], *s4, shared, shared_gate, order)
     out = reference.moe_experts(x, ids, weights, _dense_stack(g), _dense_stack(u), _dense_stack(d))
     if shared is not None:
