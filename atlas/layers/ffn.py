@@ -186,6 +186,10 @@ class ExpertBank:
             down = _need(sd, prefix + "down_proj")
             if gu.dim() != 3 or gu.shape[0] != num_experts or gu.shape[1] % 2:
                 raise ValueError(f"{prefix}gate_up_proj must be [E={num_experts}, 2I, h], got {list(gu.shape)}")
+            for key, t in ((prefix + "gate_up_proj", gu), (prefix + "down_proj", down)):
+                if not t.is_floating_point() or t.dtype == torch.float8_e4m3fn:
+                    raise TypeError(f"{key}: fused experts must be a BF16/F16/F32 tensor (quantized experts "
+                                    f"come per expert: experts.{{e}}.gate_proj.*), got {t.dtype}")
             i = gu.shape[1] // 2
             return cls(_Stack.from_dense(gu[:, :i], weight_format, device),
                        _Stack.from_dense(gu[:, i:], weight_format, device),
