@@ -414,4 +414,13 @@ def hf_attention(cfg: ModelConfig, attn: Qwen3AttentionLayer, *, dtype: torch.dt
             getattr(module, name).weight.copy_(getattr(attn, name).dense(torch.float32))
         module.q_norm.weight.copy_(attn.q_norm_weight)
         module.k_norm.weight.copy_(attn.k_norm_weight)
+    if cfg.model_type not in ("qwen3", "qwen3_next"):
+        mrope = rotary.eval()
+
+        def rotary(x, position_ids):
+            # Text-only mRoPE: the three position rows are equal. transformers 5.17 (the H200's)
+            # indexes position_ids as [3, B, L]; newer releases broadcast [B, L] themselves.
+            if position_ids.dim() == 2:
+                position_ids = position_ids[None].expand(3, -1, -1)
+            return mrope(x, position_ids)
     return module.to(dtype=dtype).eval(), rotary
