@@ -6,6 +6,9 @@
 //   chunks c·256 + tid of row t, a chunk being 16 bytes (8 bf16) when h % 8 == 0 (every Qwen3
 //   hidden size), else one bf16 (any h). The id is read once per thread (a broadcast load).
 //
+// Both kernels here are launched with programmatic dependent launch (common/pdl.cuh): they wait
+// for the previous kernel (the argmax that produced the ids) before any global access.
+//
 // Floor: T·h·2·2 bytes (read + write): 35B-A3B, T = 32: 262 KB → 0.06 µs; launch-bound (~1 µs
 //   in a CUDA graph). It exists so the drafted token's embedding is fetched on the device.
 //
@@ -21,6 +24,7 @@
 #include <climits>
 
 #include "common/checks.h"
+#include "common/pdl.cuh"
 #include "embedding.h"
 
 namespace atlas {
@@ -36,6 +40,8 @@ __global__ void __launch_bounds__(kThreads) embedding_kernel(
     int64_t vocab, int64_t vecs_per_row) {
   const int64_t t = blockIdx.y;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;   // [0, h / VecElems)
+  pdl_wait();
+  pdl_launch_dependents();
   if (c >= vecs_per_row) return;
   const int64_t id = static_cast<int64_t>(ids[t]);
   Vec v;
@@ -54,13 +60,12 @@ cudaError_t launch_typed(const EmbeddingArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(vecs, kThreads)), static_cast<unsigned>(a.num_tokens));
   const IdT* ids = static_cast<const IdT*>(a.ids);
   if (vec16) {
-    embedding_kernel<IdT, uint4><<<grid, kThreads, 0, stream>>>(
-        static_cast<const uint4*>(a.table), ids, static_cast<uint4*>(a.out), a.vocab, vecs);
-  } else {
-    embedding_kernel<IdT, unsigned short><<<grid, kThreads, 0, stream>>>(
-        static_cast<const unsigned short*>(a.table), ids, static_cast<unsigned short*>(a.out), a.vocab, vecs);
+    return launch_pdl(embedding_kernel<IdT, uint4>, grid, dim3(kThreads), 0, stream,
+                      static_cast<const uint4*>(a.table), ids, static_cast<uint4*>(a.out), a.vocab, vecs);
   }
-  return last_launch_error();
+  return launch_pdl(embedding_kernel<IdT, unsigned short>, grid, dim3(kThreads), 0, stream,
+                    static_cast<const unsigned short*>(a.table), ids, static_cast<unsigned short*>(a.out), a.vocab,
+                    vecs);
 }
 
 constexpr int kNormVecs = kEmbeddingNormMaxHidden / 8 / kThreads;   // 16-byte vectors per thread (4)
@@ -70,6 +75,8 @@ __global__ void __launch_bounds__(kThreads) embedding_norm_concat_kernel(Embeddi
   const int64_t t = blockIdx.x;
   const bool is_hidden = blockIdx.y == 1;
   const int vecs = a.hidden_size / 8;
+  pdl_wait();                  // ids (argmax) and hidden (the previous draft's norm) are fresh outputs
+  pdl_launch_dependents();
   const uint4* src = nullptr;                                        // [h / 8] row, or nullptr: zero row
   if (is_hidden) {
     src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.hidden) + t * a.hidden_stride);
@@ -134,12 +141,8 @@ cudaError_t launch_embedding_norm_concat(const EmbeddingNormConcatArgs& a, cudaS
     return cudaErrorInvalidValue;
   }
   const dim3 grid(static_cast<unsigned>(a.num_tokens), 2);
-  if (a.ids_int64) {
-    embedding_norm_concat_kernel<int64_t><<<grid, kThreads, 0, stream>>>(a);
-  } else {
-    embedding_norm_concat_kernel<int32_t><<<grid, kThreads, 0, stream>>>(a);
-  }
-  return last_launch_error();
+  return a.ids_int64 ? launch_pdl(embedding_norm_concat_kernel<int64_t>, grid, dim3(kThreads), 0, stream, a)
+                     : launch_pdl(embedding_norm_concat_kernel<int32_t>, grid, dim3(kThreads), 0, stream, a);
 }
 
 cudaError_t launch_embedding(const EmbeddingArgs& a, cudaStream_t stream) {

@@ -33,6 +33,10 @@
 //   banks: lanes reading one entry broadcast, so no conflicts); a block's 16 products are summed,
 //   then scaled by its e4m3 scale; the global scale multiplies the finished dot.
 //
+// Both kernels are launched with programmatic dependent launch (common/pdl.cuh): the e2m1 table is
+// filled before waiting for the previous kernel (moe_route / the gate_up pass), every global
+// access comes after the wait, and the next kernel may launch at once.
+//
 // Floor: bytes = T·k · (2·I·h + h·I) · B_w (B_w = 9/16 NVFP4, 2 BF16; capped at E experts)
 //   + x, act, out. 35B-A3B, B = 1, NVFP4: 8 · 3 · 512·2048 · 9/16 = 14.2 MB → 3.3 µs at 4.3 TB/s.
 #include <cuda_bf16.h>
@@ -40,6 +44,7 @@
 
 #include "common/checks.h"
 #include "common/nvfp4.cuh"
+#include "common/pdl.cuh"
 #include "moe_experts.h"
 
 namespace atlas {
@@ -145,9 +150,11 @@ __global__ void __launch_bounds__(kThreads) moe_gate_up_kernel(
   extern __shared__ __align__(16) unsigned char smem[];
   float* lut = reinterpret_cast<float*>(smem);                                  // [16]
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + 16 * sizeof(float));  // [h]
+  fill_e2m1_table(lut);
+  pdl_wait();                  // ids come from moe_route, x from the norm before it
+  pdl_launch_dependents();
   const int64_t p = pair_order != nullptr ? pair_order[blockIdx.y] : blockIdx.y;
   const int e = ids[p];
-  fill_e2m1_table(lut);
   stage(xs, x + (p / top_k) * hidden, hidden);
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -182,6 +189,8 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(
   __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + 16 * sizeof(float));  // [k, I]
   const int64_t t = blockIdx.y;
   fill_e2m1_table(lut);
+  pdl_wait();                  // act comes from the gate_up pass
+  pdl_launch_dependents();
   stage(as, act + t * top_k * inter, top_k * inter);
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -218,16 +227,15 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, cudaStream_t stream) {
     ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(moe_down_kernel<W>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(down_smem)));
   }
-  moe_gate_up_kernel<W><<<dim3(ceil_div(a.inter, kRowsPerCta), static_cast<unsigned>(pairs)), kThreads, gate_smem,
-                          stream>>>(static_cast<const __nv_bfloat16*>(a.x), a.ids, a.pair_order, a.gate, a.up,
-                                    static_cast<__nv_bfloat16*>(a.act), a.top_k, a.num_experts, a.hidden, a.inter);
-  ATLAS_RETURN_IF_ERROR(last_launch_error());
-  moe_down_kernel<W><<<dim3(ceil_div(a.hidden, kRowsPerCta), static_cast<unsigned>(a.num_tokens)), kThreads,
-                       down_smem, stream>>>(static_cast<const __nv_bfloat16*>(a.act), a.ids, a.weights, a.down,
-                                            static_cast<const __nv_bfloat16*>(a.shared),
-                                            static_cast<const __nv_bfloat16*>(a.shared_gate), a.shared_gate_stride,
-                                            a.out, a.top_k, a.num_experts, a.hidden, a.inter);
-  return last_launch_error();
+  ATLAS_RETURN_IF_ERROR(launch_pdl(moe_gate_up_kernel<W>, dim3(ceil_div(a.inter, kRowsPerCta), static_cast<unsigned>(pairs)),
+                                   dim3(kThreads), gate_smem, stream, static_cast<const __nv_bfloat16*>(a.x), a.ids,
+                                   a.pair_order, a.gate, a.up, static_cast<__nv_bfloat16*>(a.act), a.top_k,
+                                   a.num_experts, a.hidden, a.inter));
+  return launch_pdl(moe_down_kernel<W>, dim3(ceil_div(a.hidden, kRowsPerCta), static_cast<unsigned>(a.num_tokens)),
+                    dim3(kThreads), down_smem, stream, static_cast<const __nv_bfloat16*>(a.act), a.ids, a.weights,
+                    a.down, static_cast<const __nv_bfloat16*>(a.shared),
+                    static_cast<const __nv_bfloat16*>(a.shared_gate), a.shared_gate_stride, a.out, a.top_k,
+                    a.num_experts, a.hidden, a.inter);
 }
 
 }  // namespace

@@ -15,6 +15,9 @@
 //   lower index; the owning lane marks the winner taken (one bit per register slot) and lane j
 //   keeps round j's (id, p). No shared memory, no host sync: graph-capturable.
 //
+// Launched with programmatic dependent launch (common/pdl.cuh): waits for the router GEMV before
+// reading its logits and lets the next kernel launch at once.
+//
 // Floor: T·E·elem bytes read + T·k·8 written: 35B-A3B, T = 32, E = 256: 16 KB — launch-bound
 //   (~2 µs eager, ~1 µs in a graph) by orders of magnitude; the point of the kernel is to keep
 //   routing on the device, not bandwidth. The k rounds cost k · (kPerLane + 5 shuffles) steps.
@@ -25,6 +28,7 @@
 #include <cmath>
 
 #include "common/checks.h"
+#include "common/pdl.cuh"
 #include "moe_route.h"
 
 namespace atlas {
@@ -65,6 +69,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) moe_route_kernel(
     float* __restrict__ weights) {    // [T, k]
   const int lane = threadIdx.x % 32;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+  pdl_wait();                         // the router logits are the previous kernel's output
+  pdl_launch_dependents();
   if (t >= num_tokens) return;        // whole warp exits together
   const T* row = logits + t * row_stride;
 
@@ -120,9 +126,8 @@ cudaError_t launch_typed(const MoeRouteArgs& a, cudaStream_t stream) {
   const T* x = static_cast<const T*>(a.logits);
   const int per_lane = ceil_div(a.num_experts, 32);
   auto run = [&](auto kernel) {
-    kernel<<<grid, block, 0, stream>>>(x, a.row_stride, a.num_tokens, a.num_experts, a.top_k, a.renormalize, a.ids,
-                                       a.weights);
-    return last_launch_error();
+    return launch_pdl(kernel, grid, block, 0, stream, x, a.row_stride, a.num_tokens, a.num_experts, a.top_k,
+                      a.renormalize, a.ids, a.weights);
   };
   if (per_lane <= 1) return run(moe_route_kernel<T, 1>);
   if (per_lane <= 2) return run(moe_route_kernel<T, 2>);
