@@ -171,7 +171,7 @@ class HfMtp:
         x = torch.nn.functional.linear(x, self.fc).unsqueeze(0)                     # [1, L, h]
         L = x.shape[1]
         pos = torch.arange(1, L + 1).unsqueeze(0)
-        cos_sin = self.rotary(x, pos)
+        cos_sin = self.rotary(x, pos[None].expand(3, -1, -1))   # mRoPE ids [3, B, L] (transformers 5.17)
         mask = torch.full((L, L), float("-inf")).triu(1).to(torch.bfloat16)[None, None]
         x = self.layer(x, cos_sin, attention_mask=mask, position_ids=pos)
         normed = n["norm"](x[0])
