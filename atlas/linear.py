@@ -13,13 +13,16 @@ other is converted once at load:
 
 How each format runs (x [T, K] bf16 → y [T, N] bf16):
     "nvfp4"  T ≤ 32: atlas.ops.w4a16_gemv (the decode / verify GEMV, weights read once).
-             32 < T ≤ 512: the same GEMV over 32-row chunks (a batched verify step, e.g. 32
-             sequences × 4 rows): each chunk re-reads the weight (N·K·9/16 bytes), which stays
-             cheaper than the dequantization below (~20 bytes of traffic per weight) until
-             ~1000 rows (estimate, not yet measured), keeps the step graph-capturable without
-             scratch, and gives each row bitwise the result it gets at T ≤ 32 (the GEMV's rows
-             do not depend on M).
-             T > 512: GEMM through torch (cuBLAS) on the BF16 dequantization of the weight,
+             32 < T ≤ 128: the same GEMV over 32-row chunks (a batched verify step, e.g. 32
+             sequences × 4 rows): each chunk re-reads the weight (N·K·9/16 bytes) instead of
+             paying the dequantization below (~20 bytes of traffic per weight), keeps the step
+             graph-capturable without scratch, and gives each row bitwise the result it gets at
+             T ≤ 32 (the GEMV's rows do not depend on M). Crossover: with w4a16_gemv v1 (H200,
+             bench/results/gemv.md: 35B-A3B q_proj 8192×2048 at M = 32 in 22.7 µs) four chunks
+             cost about what dequantize + cuBLAS does (~150 µs for a 35B-A3B layer, estimated);
+             at the GEMV's targets (M = 32 within 2.5× of M = 1) chunks win up to ~1000 rows.
+             Re-measure and move GEMV_CHUNKED_MAX_ROWS with the GEMV.
+             T > 128: GEMM through torch (cuBLAS) on the BF16 dequantization of the weight,
              made on the fly in row chunks of ≤ 8 M weights (≤ 16 MB bf16), so no full BF16
              copy is ever kept: prefill pays the dequantization, decode memory stays 4-bit.
     "bf16"   F.linear.
@@ -44,7 +47,7 @@ from atlas.nvfp4 import NVFP4Weight, quantize_nvfp4
 
 WEIGHT_FORMATS = ("bf16", "fp8", "nvfp4")
 GEMV_MAX_ROWS = 32                   # w4a16_gemv serves M ≤ 32 rows per launch
-GEMV_CHUNKED_MAX_ROWS = 512          # up to here: 32-row GEMV chunks; beyond: dequantize + GEMM
+GEMV_CHUNKED_MAX_ROWS = 128          # up to here: 32-row GEMV chunks; beyond: dequantize + GEMM
 _GEMM_CHUNK_ELEMS = 1 << 23          # NVFP4 → BF16 dequantization chunk for the GEMM path
 
 AnyWeight = Union[Tensor, NVFP4Weight, FP8BlockWeight]

@@ -10,7 +10,7 @@ Per token (HF `Qwen3Attention` / `Qwen3NextAttention` / `Qwen3_5MoeAttention`, c
     cache ← k, v;  o = softmax(q·kᵀ·hd^-½ + causal) · v   over the sequence's cached + new tokens
     o      = o · sigmoid(gate)  (gated only);  out = o_proj(o)
 
-Launches of a decode / verify step (T ≤ 32 rows, NVFP4 weights; up to 512 rows the GEMVs repeat
+Launches of a decode / verify step (T ≤ 32 rows, NVFP4 weights; up to 128 rows the GEMVs repeat
 per 32 rows, see atlas.linear), all graph-capturable:
     1. w4a16_gemv_dual  q_proj and [k_proj; v_proj] in ONE launch when K and V share a global
                         scale (ModelOpt / llm-compressor exports, and every BF16/FP8 → NVFP4
@@ -24,7 +24,7 @@ per 32 rows, see atlas.linear), all graph-capturable:
                         split-K combine)
     4. sigmoid_gate_mul (gated only)
     5. w4a16_gemv       o_proj
-Prefill chunks (query_len > 8) run the projections like any other rows (GEMV chunks up to 512
+Prefill chunks (query_len > 8) run the projections like any other rows (GEMV chunks up to 128
 rows in the step, beyond that GEMMs: cuBLAS over the on-the-fly BF16 dequantization, see
 atlas.linear) and attend with
 paged_decode over query chunks of 8: a chunk of n new rows becomes ceil(n/8) pseudo-sequences
