@@ -206,6 +206,8 @@ class Linear:
         """x [T, K] bf16 → [T, N] bf16."""
         check_tensor("Linear", "x", x, dtype=torch.bfloat16, shape=(None, self.in_features),
                      device=self.device, what="bf16 [T, K]")
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.out_features)
         if self.weight_format == "bf16":
             return F.linear(x, self.weight)
         if self.weight_format == "fp8":

@@ -73,7 +73,7 @@ def test_conversion_rules(dialect, weight_format):
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)
-@pytest.mark.parametrize("t", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100, GEMV_CHUNKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("t", [0, 1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100, GEMV_CHUNKED_MAX_ROWS + 1])
 def test_forward_matches_dense(weight_format, t):
     g = _gen(weight_format, t)
     lin = Linear.from_weight(torch.randn(72, 96, generator=g), weight_format, "cpu")
