@@ -235,40 +235,28 @@ class MtpHead:
     def _forward(self, tokens: Tensor, target_hidden: Tensor, meta: AttentionMetadata, *,
                  kv_only: bool = False):
         """The forward of the module docstring with meta.positions already = RoPE positions.
-        kv_only: only write this step's drafter K/V (prefill, accept; see _write_kv)."""
+        kv_only: only write this step's drafter K/V (prefill, accept)."""
         rms = lambda x, w: ops.rms_norm(x, w, self.eps, self.zero_centered)  # noqa: E731
         x = ops.embedding_norm_concat(self.embed_tokens, tokens, target_hidden, self.norm_embedding,
                                       self.norm_hidden, self.eps, self.zero_centered)     # [T, 2h] = [e | hh]
         x = self.fc(x)                                                                    # [T, h]
         if kv_only:
-            self._write_kv(rms(x, self.input_layernorm), meta)
+            # A drafter row's K/V depend on its own input alone (one layer): prefill and accept
+            # skip Q, the attention itself (O(L²) over a prompt), o_proj and the FFN; write_kv
+            # writes the bytes the full layer would.
+            self.attn.write_kv(rms(x, self.input_layernorm), meta, self.cache, 0)
             return None
-        x = x + self.attn(rms(x, self.input_layernorm), meta, self.cache, 0)
-        x = x + self.ffn(rms(x, self.post_attention_layernorm))
-        normed = rms(x, self.norm)
+        a = self.attn(rms(x, self.input_layernorm), meta, self.cache, 0)
+        # residual adds fused into the next norm: x ← bf16(x + a), then the norm of that x
+        f = self.ffn(ops.rms_norm(a, self.post_attention_layernorm, self.eps, self.zero_centered, residual=x))
+        normed = ops.rms_norm(f, self.norm, self.eps, self.zero_centered, residual=x)     # x ← bf16(x + f)
         return self.logits(normed), normed
-
-    def _write_kv(self, x: Tensor, meta: AttentionMetadata) -> None:
-        """Only the drafter K/V of rows x [T, h] (input-normed): k_proj, v_proj, then k_norm +
-        RoPE + cache write (ops.qk_norm_rope with a one-head dummy query). A drafter row's K/V
-        depend on its own input alone (one layer), so prefill and accept skip Q, the attention
-        itself (O(L²) over a prompt), o_proj and the FFN. The K/V bytes are those the full
-        attention layer writes (same ops on the same inputs)."""
-        a, t = self.attn, x.shape[0]
-        if a.kv_fused and t <= GEMV_MAX_ROWS:
-            k, v = ops.w4a16_gemv_dual(x, a.k_proj.weight, a.v_proj.weight)
-        else:
-            k, v = a.k_proj(x), a.v_proj(x)
-        k, v = k.view(t, a.nkv, a.hd), v.view(t, a.nkv, a.hd)
-        k_cache, v_cache, k_scale, v_scale = self.cache.layer(0)
-        ops.qk_norm_rope(k[:, :1], k, v, a.q_norm_weight, a.k_norm_weight, meta.positions, k_cache, v_cache,
-                         meta.slot_mapping, k_scale, v_scale, **a.norm_kwargs)
 
     def logits(self, normed: Tensor) -> Tensor:
         """LM head over the first V' rows: normed bf16 [T, h] → bf16 [T, V'] (a row prefix of the
         shared weight: a view for BF16, `n_rows` of the GEMV for NVFP4 — nothing is copied)."""
         if isinstance(self.lm_head, NVFP4Weight):
-            if normed.shape[0] <= GEMV_MAX_ROWS and hasattr(ops, "w4a16_gemv"):
+            if normed.shape[0] <= GEMV_MAX_ROWS:
                 return ops.w4a16_gemv(normed, self.lm_head, n_rows=self.vocab)
             return nvfp4_gemm(normed, self.lm_head.rows(0, self.vocab))
         return F.linear(normed, self.lm_head[:self.vocab])
