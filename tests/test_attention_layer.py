@@ -9,7 +9,7 @@ import torch
 import atlas
 from atlas.config import ModelConfig
 from atlas.kv_cache import PagedKvCache
-from atlas.layers.attention import Qwen3AttentionLayer, hf_attention, plan_attention, _Run
+from atlas.layers.attention import Qwen3AttentionLayer, hf_attention, plan_attention, DecodeRun
 from helpers import rel_err
 from test_linear import module_state_dict
 
@@ -139,7 +139,7 @@ def test_kv_fusion_rule():
 
 def test_plan_attention():
     runs, prefill = plan_attention([1, 1, 3, 3, 12, 1, 0, 1, 9])
-    assert runs == [_Run(0, 2, 0, 2, 1), _Run(2, 4, 2, 8, 3), _Run(5, 6, 20, 21, 1), _Run(7, 8, 21, 22, 1)]
+    assert runs == [DecodeRun(0, 2, 0, 2, 1), DecodeRun(2, 4, 2, 8, 3), DecodeRun(5, 6, 20, 21, 1), DecodeRun(7, 8, 21, 22, 1)]
     assert prefill == [(4, 8, 12), (8, 22, 9)]
 
 

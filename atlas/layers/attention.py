@@ -55,7 +55,7 @@ PREFILL_CHUNK = 8             # query rows per pseudo-sequence of a prefill chun
 
 
 @dataclass(frozen=True)
-class _Run:
+class DecodeRun:
     """Consecutive sequences b0..b1-1 with one query_len ≤ 8, rows r0..r1-1: one paged_decode."""
     b0: int
     b1: int
@@ -64,10 +64,10 @@ class _Run:
     query_len: int
 
 
-def plan_attention(query_lens) -> tuple[list[_Run], list[tuple[int, int, int]]]:
+def plan_attention(query_lens) -> tuple[list[DecodeRun], list[tuple[int, int, int]]]:
     """Split a step's sequences (host list of query lengths, plan() order) into decode/verify
     runs and prefill groups (b, first row, n). Sequences with 0 new rows are skipped."""
-    runs: list[_Run] = []
+    runs: list[DecodeRun] = []
     prefill: list[tuple[int, int, int]] = []
     row = 0
     for b, n in enumerate(query_lens):
@@ -76,9 +76,9 @@ def plan_attention(query_lens) -> tuple[list[_Run], list[tuple[int, int, int]]]:
         elif n > 0:
             last = runs[-1] if runs else None
             if last is not None and last.query_len == n and last.b1 == b and last.r1 == row:
-                runs[-1] = _Run(last.b0, b + 1, last.r0, row + n, n)
+                runs[-1] = DecodeRun(last.b0, b + 1, last.r0, row + n, n)
             else:
-                runs.append(_Run(b, b + 1, row, row + n, n))
+                runs.append(DecodeRun(b, b + 1, row, row + n, n))
         row += n
     return runs, prefill
 
@@ -113,6 +113,7 @@ class Qwen3AttentionLayer:
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.q_norm_weight, self.k_norm_weight = q_norm_weight, k_norm_weight
         self.weight_format = q_proj.weight_format
+        # load time: comparing the two device scalars reads one flag back
         self.kv_fused = (self.weight_format == "nvfp4" and k_proj.weight_format == v_proj.weight_format == "nvfp4"
                          and bool(torch.equal(k_proj.weight.global_scale, v_proj.weight.global_scale)))
         self.kv_weight = None
@@ -268,7 +269,7 @@ class Qwen3AttentionLayer:
             self._prefill(q, out, prefill, meta, k_cache, v_cache, k_scale, v_scale)
         return out
 
-    def _decode(self, q, r: _Run, meta, k_cache, v_cache, k_scale, v_scale) -> Tensor:
+    def _decode(self, q, r: DecodeRun, meta, k_cache, v_cache, k_scale, v_scale) -> Tensor:
         nb = r.b1 - r.b0
         query = q[r.r0:r.r1].view(nb, r.query_len, self.nq, self.hd)
         if r.query_len == 1:
