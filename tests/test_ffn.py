@@ -20,14 +20,11 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSpars
 
 import atlas  # noqa: E402
 from atlas import reference  # noqa: E402
-from atlas import ops  # noqa: E402
 from atlas.fp8 import quantize_fp8_block  # noqa: E402
 from atlas.layers.ffn import DenseMLP, SparseMoE, build_ffn  # noqa: E402
 
-# nvfp4 projections at T ≤ 32 run ops.w4a16_gemv (the GEMV work); skip them until it exists
-needs_gemv = pytest.mark.skipif(not hasattr(ops, "w4a16_gemv"), reason="ops.w4a16_gemv not available yet")
 
-FORMATS = ["bf16", "fp8", pytest.param("nvfp4", marks=needs_gemv)]
+FORMATS = ["bf16", "fp8", "nvfp4"]
 BF16_TOL = 2e-2  # BF16 intermediates rounded in a different order than HF (see module doc)
 
 
@@ -142,7 +139,7 @@ def test_sparse_moe_matches_hf(weight_format, dialect, fused, t, path):
     assert rel_err(out, ref) < BF16_TOL
 
 
-@pytest.mark.parametrize("weight_format", ["bf16", pytest.param("nvfp4", marks=needs_gemv)])
+@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("t", [1, 6, 33])
 def test_sparse_moe_kernel_path_matches_hf(weight_format, t):
     """path "kernel" = ops.moe_experts (the CUDA default; here its reference)."""

@@ -23,7 +23,6 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_dense  # noqa: E4
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe  # noqa: E402
 
 import atlas  # noqa: E402
-from atlas import ops  # noqa: E402
 from atlas.kv_cache import KvCacheExhausted  # noqa: E402
 from atlas.layers.ffn import SparseMoE  # noqa: E402
 from atlas.layers.mtp import MtpHead, random_state_dict  # noqa: E402
@@ -31,8 +30,7 @@ from atlas.layers.mtp import MtpHead, random_state_dict  # noqa: E402
 BF16_TOL = 2e-2      # BF16 intermediates rounded in a different order than HF
 NEAR_TIE = 0.05      # logits within this of the max may swap under BF16 rounding noise
 ROUTER_TIE = 0.1     # router logits (O(1)) this close at the top-k boundary may swap likewise
-needs_gemv = pytest.mark.skipif(not hasattr(ops, "w4a16_gemv"), reason="ops.w4a16_gemv not available yet")
-FORMATS = ["bf16", "fp8", pytest.param("nvfp4", marks=needs_gemv)]
+FORMATS = ["bf16", "fp8", "nvfp4"]
 KINDS = ["moe", "dense"]
 
 
@@ -327,7 +325,7 @@ def test_cancel_propose_restores_the_sequence(kind):
         head.cancel_propose(["t"])
 
 
-@pytest.mark.parametrize("weight_format", ["bf16", pytest.param("nvfp4", marks=needs_gemv)])
+@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
 def test_mtp_vocab_size_truncates_head(weight_format):
     g = _gen("vocab", weight_format)
     full, cut = _head("moe", weight_format), _head("moe", weight_format, mtp_vocab_size=100)

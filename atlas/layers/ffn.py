@@ -72,8 +72,7 @@ class DenseMLP:
         # NVFP4 decode/verify rows: gate+up in one w4a16_gemv_dual launch and silu·up fused into
         # the down GEMV's load (w4a16_gemv_silu): 2 launches instead of 3 GEMVs + 5 elementwise
         # kernels, bitwise equal to the unfused composition (the ops' contract).
-        self.fused = (all(getattr(p, "weight_format", None) == "nvfp4" for p in (gate_proj, up_proj, down_proj))
-                      and hasattr(ops, "w4a16_gemv_dual") and hasattr(ops, "w4a16_gemv_silu"))
+        self.fused = all(getattr(p, "weight_format", None) == "nvfp4" for p in (gate_proj, up_proj, down_proj))
 
     @classmethod
     def from_state_dict(cls, state_dict, prefix: str, weight_format: str, device) -> "DenseMLP":
