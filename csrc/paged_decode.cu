@@ -60,10 +60,24 @@
 //   KV at 8 rows; fused mode: 1/8 of that). B = 1, L = 32K, nkv = 2, hd = 256, bf16: 67 MB
 //   → 15.6 µs at the H200's ≈ 4.3 TB/s copy bandwidth; FP8 34 MB (+0.5 MB scales) → 8.0 µs.
 //   Measured fraction: bench/NOTES.md (bench/bench_attention.py).
+//
+// Versions (H200 numbers in bench/results/bench_attention.md, analysis in bench/NOTES.md):
+//   v1  as above. ~25 µs fixed per call (B = 1, L = 1K: 28.8 µs for a 0.5 µs floor), traced
+//       in the SASS to serialized round trips on every CTA's critical path: Q staged row by row
+//       (a separate loop per row, each waiting on its own loads: 8 DRAM round trips at group
+//       8), and each tile's block-table lookups behind branches, one dependent L1/L2 round
+//       trip per copied row (8 per bf16 tile) before its cp.async could issue.
+//   v2  Q loaded as 16-column units, every load of the CTA issued at once right after the
+//       kernel starts (beside the seq_lens load), stored to smem after the first KV copies
+//       are queued; block ids of a tile loaded as one batch (positions clamped into the split,
+//       so no branch) before its copies; programmatic dependent launch for the attention
+//       kernel too (pdl_wait first, then trigger at once so the combine grid launches under
+//       the last wave); the combine reads seq_lens before its wait. Same math, same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "common/checks.h"
+#include "common/pdl.cuh"
 #include "paged_decode.h"
 
 namespace atlas {
@@ -249,6 +263,77 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   const int row0 = (blockIdx.x % pb.row_groups) * kMaxRows;   // first row of this CTA
   const int kvh = blockIdx.y;                                  // kv head
   const int b = blockIdx.z;                                    // sequence
+  const int rows = min(kMaxRows, pb.rows_total - row0);        // valid rows, ≤ kRows
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;                        // mma fragment coordinates
+
+  // Programmatic dependent launch: this grid may become resident while the previous kernel
+  // (qk_norm_rope, or the previous layer's combine) finishes; nothing global is read before
+  // the wait. The trigger right after lets the combine grid launch as soon as every CTA of
+  // this grid has started (it still waits for this whole grid before reading partials), so
+  // its launch latency hides under the last wave instead of following it (v1 triggered at
+  // each CTA's end).
+  pdl_wait();
+  pdl_launch_dependents();
+
+  // -- Q as 16-column units (unit u: row u / (hd/16), columns 16·(u % (hd/16)) ..+15): every
+  //    load of a batch is issued at once, here, beside the seq_lens load; the smem stores come
+  //    after the first KV copies are queued. v1 staged Q row by row (a loop per row): 8 rows
+  //    at group 8 were 8 dependent DRAM round trips (~6–8 µs) on every CTA's critical path,
+  //    the largest part of v1's ~25 µs fixed cost at B = 1.
+  constexpr int kQUnitsPerRow = HD / 16;
+  constexpr int kQUnits = kRows * kQUnitsPerRow;
+  constexpr int kQPerThread = (kQUnits + kThreads - 1) / kThreads;  // 1..8
+  // Units held in registers at once: all of them with one row tile (≤ 2: 32 registers, before
+  // the O accumulators are live); one per batch with 2–4 row tiles (O already needs ≥ 128).
+  constexpr int kQBatch = M_TILES == 1 ? kQPerThread : 1;
+  constexpr int kQBatches = kQPerThread / kQBatch;
+  static_assert(kQPerThread % kQBatch == 0 && kQBatch <= 2, "Q batches");
+  uint16_t q_raw[kQBatch][16];                                 // bf16 bits, columns in order
+  const unsigned short* q_base = static_cast<const unsigned short*>(a.query);
+  auto load_q = [&](int batch) {
+#pragma unroll
+    for (int k = 0; k < kQBatch; ++k) {
+      const int u = tid + (batch * kQBatch + k) * kThreads, r = u / kQUnitsPerRow;
+      const unsigned short* src = nullptr;
+      if (u < kQUnits && r < rows) {
+        const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+        src = q_base + b * a.q_stride_b + j * a.q_stride_t + (int64_t)h * HD + 16 * (u % kQUnitsPerRow);
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) q_raw[k][i] = src != nullptr ? __ldg(src + i) : (unsigned short)0;
+    }
+  };
+  // FP8: slot s of a 16-column chunk holds column fp8_k_slot_column(s) (the K permutation),
+  // · 2^64 (exact); zero rows up to kRows. Two 16-byte smem stores per unit.
+  auto store_q = [&](int batch) {
+#pragma unroll
+    for (int k = 0; k < kQBatch; ++k) {
+      const int u = tid + (batch * kQBatch + k) * kThreads;
+      if (u >= kQUnits) continue;
+      uint32_t w[8];
+#pragma unroll
+      for (int p = 0; p < 8; ++p) {
+        uint32_t half[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const uint32_t raw = q_raw[k][FP8 ? fp8_k_slot_column(2 * p + e) : 2 * p + e];
+          if constexpr (FP8) {
+            const float v = __uint_as_float(raw << 16) * kFp8QPreScale;
+            half[e] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+          } else {
+            half[e] = raw;
+          }
+        }
+        w[p] = half[0] | (half[1] << 16);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(q_smem + (u / kQUnitsPerRow) * Tr::kQStride + 16 * (u % kQUnitsPerRow));
+      dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+      dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+  };
+  load_q(0);
+
   const int capacity = a.max_blocks * a.block_size;
   const int seq_len = min(max(a.seq_lens[b], 0), capacity);
   const PagedDecodeSplit plan = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads));
@@ -260,10 +345,6 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   const int kv_end = min(last_split * plan.chunk, seq_len);    // ≥ kv_begin; splits never share a tile
   const int n_tiles = (kv_end - kv_begin + kTileN - 1) / kTileN;
   const int tiles_per_split = plan.chunk / kTileN;
-  const int rows = min(kMaxRows, pb.rows_total - row0);        // valid rows, ≤ kRows
-
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;                        // mma fragment coordinates
 
   // Newest visible position of each of this thread's rows (rows ≥ `rows` are padding).
   int last_pos[M_TILES][2];
@@ -276,29 +357,40 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
       last_pos[mt][hh] = min(seq_len - a.q_len + j, kv_end - 1);
     }
 
-  // -- load: tile `tile` of this split → stage `stage` (cp.async, zero-filled when invalid) ----
   const int64_t row_elems = (int64_t)a.num_kv_heads * HD;      // elements per cache position
   const int32_t* block_table = a.block_tables + (int64_t)b * a.max_blocks;
-  // Cache row (block · bs + offset) of position pos, or −1: past the split, or a block id
-  // outside [0, num_blocks) (never read; the position then reads as K = V = 0).
-  auto cache_row = [&](int pos) -> int64_t {
-    if (pos >= kv_end) return -1;
-    const int blk_idx = pb.bs_mul ? (int)(__umulhi((uint32_t)pos, pb.bs_mul) >> pb.bs_shr) : pos;
-    const int blk = __ldg(block_table + blk_idx);
-    if ((unsigned)blk >= (unsigned)a.num_blocks) return -1;
-    return (int64_t)blk * a.block_size + (pos - blk_idx * a.block_size);
-  };
+  // -- load: tile `tile` of this split → stage `stage` (cp.async, zero-filled when invalid). The
+  //    block ids of all the tile rows a thread copies are loaded first, as one batch, from
+  //    positions clamped into [0, kv_end) (so always inside the table); a position past the
+  //    split end, or whose block id lies outside [0, num_blocks), is then zero-filled (never
+  //    read; it reads as K = V = 0). v1 looked each row up behind a branch, right before its
+  //    copy: 8 (bf16 hd 256) dependent L1/L2 round trips per tile on the critical path.
+  constexpr int kPasses = kTileN / Tr::kRowsPerPass;
+  constexpr int kLookups = kPasses + (FP8 ? 1 : 0);            // + the scale row (FP8: row tid % 32)
   auto load_tile = [&](int tile, int stage) {
     const int tile_start = kv_begin + tile * kTileN;
+    int pos[kLookups], blk_idx[kLookups], blk[kLookups];
+#pragma unroll
+    for (int i = 0; i < kLookups; ++i) {
+      pos[i] = tile_start + (i < kPasses ? i * Tr::kRowsPerPass + tid / Tr::kChunks : tid % kTileN);
+      const int p = min(pos[i], kv_end - 1);                   // kv_end > kv_begin here
+      blk_idx[i] = pb.bs_mul ? (int)(__umulhi((uint32_t)p, pb.bs_mul) >> pb.bs_shr) : p;
+      blk[i] = __ldg(block_table + blk_idx[i]);
+    }
+    // Cache row (block · bs + offset) of lookup i, or −1 (zero-filled).
+    auto cache_row = [&](int i) -> int64_t {
+      if (pos[i] >= kv_end || (unsigned)blk[i] >= (unsigned)a.num_blocks) return -1;
+      return (int64_t)blk[i] * a.block_size + (pos[i] - blk_idx[i] * a.block_size);
+    };
     const int chunk = tid % Tr::kChunks;
     uint8_t* k_dst = kv_smem + (stage * 2) * Tr::kTileBytes;
     uint8_t* v_dst = k_dst + Tr::kTileBytes;
     const uint8_t* k_src = static_cast<const uint8_t*>(a.k_cache);
     const uint8_t* v_src = static_cast<const uint8_t*>(a.v_cache);
 #pragma unroll
-    for (int pass = 0; pass < kTileN / Tr::kRowsPerPass; ++pass) {
+    for (int pass = 0; pass < kPasses; ++pass) {
       const int row = pass * Tr::kRowsPerPass + tid / Tr::kChunks;
-      const int64_t cache_pos = cache_row(tile_start + row);
+      const int64_t cache_pos = cache_row(pass);
       const bool ok = cache_pos >= 0;
       const int64_t off = ((cache_pos * row_elems + (int64_t)kvh * HD) * Tr::kElemBytes) + chunk * 16;
       const int dst = Tr::swizzle(row, chunk);
@@ -307,7 +399,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     }
     if constexpr (FP8) {
       if (tid < kTileN) {
-        const int64_t cache_pos = cache_row(tile_start + tid);
+        const int64_t cache_pos = cache_row(kPasses);
         const bool ok = cache_pos >= 0;
         const int64_t off = cache_pos * a.num_kv_heads + kvh;
         float* s_dst = scale_smem + stage * 2 * kTileN;
@@ -336,24 +428,12 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     cp_async_commit();                          // empty groups keep the wait counts uniform
   }
 
-  // -- stage Q (while the first tiles are in flight): rows [row0, row0 + rows) of (token j,
-  //    head g) pairs, zero rows up to kRows; visible to all warps after the first barrier --
-  {
-    const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.query);
-    const float q_mult = FP8 ? kFp8QPreScale : 1.f;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const __nv_bfloat16* src = nullptr;
-      if (r < rows) {
-        const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
-        src = q + b * a.q_stride_b + j * a.q_stride_t + (int64_t)h * HD;
-      }
-#pragma unroll
-      for (int c = tid; c < HD; c += kThreads) {
-        const float v = src != nullptr ? __bfloat162float(src[FP8 ? fp8_k_slot_column(c) : c]) * q_mult : 0.f;
-        q_smem[r * Tr::kQStride + c] = __float2bfloat16_rn(v);   // exact (power-of-two scaling)
-      }
-    }
+  // -- Q → smem (batch 0 was loaded at the top; visible to all warps after the first barrier)
+  store_q(0);
+#pragma unroll 1
+  for (int batch = 1; batch < kQBatches; ++batch) {
+    load_q(batch);
+    store_q(batch);
   }
 
   // Fused mode: the canonical level-1 fold of this CTA's splits, in registers.
@@ -594,8 +674,6 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     finish_split(first_split);                  // split mode only: one split per CTA
   }
   cp_async_wait<0>();                           // no copy may outlive the CTA (none pending here)
-  // Let the combine grid start launching (it waits for this whole grid before reading).
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   // -- fused mode: this CTA's group result (λ_g, o_g); the final output when the sequence has
   //    a single group (level 2 of one group, as the combine would do it), else a group partial
@@ -660,12 +738,16 @@ constexpr int kCombineCols = 64;                                       // column
 
 __global__ void __launch_bounds__(kCombineWarps * 32)
 paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // attention grid done, partials visible
   const PagedDecodeArgs& a = pb.a;
   const int hd = a.head_dim, slices = hd / kCombineCols;
   const int slice = blockIdx.x % slices, rest = blockIdx.x / slices;
   const int gr = rest % pb.rows_total, kvh = rest / pb.rows_total, b = blockIdx.y;
-  const int seq_len = min(max(a.seq_lens[b], 0), a.max_blocks * a.block_size);
+  // seq_lens before the wait: this grid launches only once every attention CTA has passed its
+  // own pdl_wait (then triggered), so whatever wrote seq_lens has completed and is visible;
+  // the split count is known when the partials are. Only the partials need the wait.
+  const int seq_len = min(max(__ldg(a.seq_lens + b), 0), a.max_blocks * a.block_size);
+  pdl_wait();                                   // attention grid done, partials visible
+  pdl_launch_dependents();                      // the next PDL kernel may start launching
   const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
   const bool fused = pb.splits_per_cta > 1;
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;
@@ -740,23 +822,10 @@ paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
   }
 }
 
-// Combine launch: programmatic dependent launch (see above); a plain launch where the
-// attribute is refused.
+// Combine launch: programmatic dependent launch (see above); a plain launch where refused.
 cudaError_t launch_combine(const Problem& pb, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(pb.a.num_kv_heads * pb.rows_total * (pb.a.head_dim / kCombineCols), pb.a.batch);
-  cfg.blockDim = dim3(kCombineWarps * 32);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, paged_decode_combine_kernel, pb) == cudaSuccess) return cudaSuccess;
-  (void)cudaGetLastError();                     // clear the refusal, launch in stream order
-  paged_decode_combine_kernel<<<cfg.gridDim, cfg.blockDim, 0, stream>>>(pb);
-  return cudaGetLastError();
+  const dim3 grid(pb.a.num_kv_heads * pb.rows_total * (pb.a.head_dim / kCombineCols), pb.a.batch);
+  return launch_pdl(paged_decode_combine_kernel, grid, dim3(kCombineWarps * 32), 0, stream, pb);
 }
 
 // ---- launcher -------------------------------------------------------------------------------
@@ -797,8 +866,7 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   }
   const int units = (pb.a.max_splits + pb.splits_per_cta - 1) / pb.splits_per_cta;  // per sequence
   const dim3 grid(units * pb.row_groups, pb.a.num_kv_heads, pb.a.batch);
-  kernel<<<grid, kThreads, smem, stream>>>(pb);
-  return cudaGetLastError();
+  return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, pb);   // see pdl_wait in the kernel
 }
 
 template <int HD, bool FP8>
