@@ -2,7 +2,7 @@
 # One command for a fresh GPU machine: build the extension, run the CUDA tests (also once under
 # compute-sanitizer memcheck), run the benches, and print a short table last.
 #
-#   bench/gpu_check.sh [stages...]     stages: build info test memcheck bench bench-quick peers
+#   bench/gpu_check.sh [stages...]     stages: build info test memcheck ctest bench bench-quick peers
 #   default: build info test memcheck bench
 #
 # Logs and bench/results go to $OUT (the device tool's return folder) when set, else /tmp/atlas_gpu.
@@ -50,6 +50,16 @@ if has memcheck; then
   run_stage memcheck memcheck.log compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 20 \
     python3 -m pytest -m "cuda and not slow" -q -x --timeout=600 -p no:cacheprovider
   grep -E "ERROR SUMMARY|Invalid|FAILED" "$OUT/memcheck.log" | head -20
+fi
+if has ctest; then
+  # The torch-free C++ drivers (csrc/tests/*.cu), plain and under memcheck / racecheck.
+  run_stage cmake cmake.log bash -c "cmake -S . -B build/cmake -DCMAKE_CUDA_ARCHITECTURES=90 && cmake --build build/cmake -j ${MAX_JOBS}"
+  run_stage ctest ctest.log ctest --test-dir build/cmake --output-on-failure
+  for t in build/cmake/test_*; do
+    run_stage "mc:$(basename "$t" | sed 's/test_//')" "mc_$(basename "$t").log" compute-sanitizer --tool memcheck --error-exitcode 1 "$t"
+    run_stage "rc:$(basename "$t" | sed 's/test_//')" "rc_$(basename "$t").log" compute-sanitizer --tool racecheck --error-exitcode 1 "$t"
+  done
+  cat "$OUT"/mc_*.log "$OUT"/rc_*.log > "$OUT/sanitizer_drivers.log" 2>/dev/null; rm -f "$OUT"/mc_*.log "$OUT"/rc_*.log
 fi
 if has bench || has bench-quick; then
   q=""; has bench-quick && q="--quick"
