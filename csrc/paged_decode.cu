@@ -23,8 +23,9 @@
 //   partial per group — or the output itself when the sequence has ≤ 8 splits.
 //
 //   Per 32-position KV tile (kTileN), in shared memory as [32][hd] rows with a 16-byte-chunk
-//   XOR swizzle (conflict-free ldmatrix), filled by cp.async 16 B (zero-filled past the split
-//   end and for block ids outside [0, num_blocks)), kStages-deep pipeline:
+//   XOR swizzle (conflict-free ldmatrix), filled by cp.async 16 B (thread tid: position
+//   tid / 4, chunks ≡ tid mod 4, one block-id lookup; zero-filled past the split end and for
+//   block ids outside [0, num_blocks)), kStages-deep pipeline:
 //     score    warp w: S[rows, 8 positions 8w..8w+7] = Q · K^T, mma.m16n8k16 bf16 → fp32
 //              (Q from padded smem via ldmatrix, K via ldmatrix; FP8 K converted in registers)
 //     scale    s *= softmax_scale·log2e (FP8: · k_scale[p], per score column), causal mask −inf
@@ -52,8 +53,8 @@
 //   the partials in smem and runs the fold. Single-split sequences are written directly.
 //
 // Shared memory (hd 256, bf16, M_TILES 1): 3 stages × (K + V) 32 KB + Q 8.4 KB + P 1.3 KB
-//   ≈ 107 KB → 2 CTAs per SM (191 registers). FP8 tiles are half as big (4 stages, 64 KB,
-//   76.8 KB in all → 3 CTAs per SM, 168 registers).
+//   ≈ 107 KB → 2 CTAs per SM (v2: 190 registers). FP8 tiles are half as big (4 stages, 64 KB,
+//   76.8 KB in all → 3 CTAs per SM, v2: 162 registers).
 //
 // Floor (bytes moved): Σ_b L_b · nkv · hd · 2 (K and V) · elem (+ 2 · 4 per FP8 scale pair)
 //   + partial O when split (split mode: rows · hd · 4 · 2 per 256-position split ≈ 6% of bf16
@@ -69,10 +70,13 @@
 //       trip per copied row (8 per bf16 tile) before its cp.async could issue.
 //   v2  Q loaded as 16-column units, every load of the CTA issued at once right after the
 //       kernel starts (beside the seq_lens load), stored to smem after the first KV copies
-//       are queued; block ids of a tile loaded as one batch (positions clamped into the split,
-//       so no branch) before its copies; programmatic dependent launch for the attention
-//       kernel too (pdl_wait first, then trigger at once so the combine grid launches under
-//       the last wave); the combine reads seq_lens before its wait. Same math, same bits.
+//       are queued; tile copies owned row-wise (4 threads per position: one branch-free
+//       block-id lookup per thread per tile instead of 8, ~130 instead of ~435 instructions
+//       per warp per tile to issue the copies; main loop ~380 instead of ~675 at hd 256 bf16),
+//       issued after the score MMAs (one row tile) so the address math hides under their
+//       latency; programmatic dependent launch for the attention kernel too (pdl_wait first,
+//       then trigger at once so the combine grid launches under the last wave); the combine
+//       reads seq_lens before its wait. Same math, same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -106,11 +110,10 @@ struct Traits {
   static constexpr int kTileBytes = kTileN * kRowBytes;    // one K (or V) tile
   // Stages: ≥ 64 KB of KV in flight per CTA where smem allows 2 CTAs/SM (hd 256 bf16: 3).
   static constexpr int kStages = 2 * kTileBytes >= 32768 ? 3 : 4;
-  static constexpr int kRowsPerPass = kThreads / kChunks;  // tile rows one cp.async pass fills
   static constexpr int kColsPerWarp = HD / kWarps;         // O columns per warp: 16, 32, 64
   static constexpr int kVUnits = kColsPerWarp / 16;        // 16-column V units (2 n8 tiles each)
   static constexpr int kQStride = HD + 8;                  // Q smem row stride (bf16), padded
-  static_assert(kChunks >= 4 && kTileN % kRowsPerPass == 0, "tile geometry");
+  static_assert(kChunks >= 4, "tile geometry");
 
   // Byte offset of chunk c of tile row `row`: XOR swizzle so the 8 rows of an ldmatrix
   // (same logical chunk) land in 8 different 16-byte bank groups.
@@ -357,54 +360,47 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
       last_pos[mt][hh] = min(seq_len - a.q_len + j, kv_end - 1);
     }
 
-  const int64_t row_elems = (int64_t)a.num_kv_heads * HD;      // elements per cache position
   const int32_t* block_table = a.block_tables + (int64_t)b * a.max_blocks;
-  // -- load: tile `tile` of this split → stage `stage` (cp.async, zero-filled when invalid). The
-  //    block ids of all the tile rows a thread copies are loaded first, as one batch, from
-  //    positions clamped into [0, kv_end) (so always inside the table); a position past the
-  //    split end, or whose block id lies outside [0, num_blocks), is then zero-filled (never
-  //    read; it reads as K = V = 0). v1 looked each row up behind a branch, right before its
-  //    copy: 8 (bf16 hd 256) dependent L1/L2 round trips per tile on the critical path.
-  constexpr int kPasses = kTileN / Tr::kRowsPerPass;
-  constexpr int kLookups = kPasses + (FP8 ? 1 : 0);            // + the scale row (FP8: row tid % 32)
+  // -- load: tile `tile` of this split → stage `stage` (cp.async, zero-filled when invalid).
+  //    Copy ownership: thread tid copies tile row tid / 4 (4 threads per row, 32 rows), chunks
+  //    c = 4k + tid % 4 (a warp instruction covers 8 rows × 64 contiguous bytes), and for FP8
+  //    the row's K scale (tid % 4 == 0) or V scale (== 1). So one block-id lookup per thread
+  //    per tile: the position is clamped into [0, kv_end) (always inside the table, no
+  //    branch); a position past the split end, or whose block id lies outside [0, num_blocks),
+  //    is zero-filled (never read; it reads as K = V = 0). v1 had thread tid copy chunk
+  //    tid % kChunks of rows 4·pass + tid / kChunks (hd 256 bf16): 8 lookups per thread per bf16
+  //    tile, each a dependent L1/L2 round trip behind a branch right before its copy, and ~27
+  //    instructions per 16-byte copy (64-bit address selects): ~435 of a tile's ~675
+  //    instructions per warp at hd 256.
+  constexpr int kThreadsPerRow = kThreads / kTileN;            // 4
+  constexpr int kChunksPerThread = Tr::kChunks / kThreadsPerRow;
+  static_assert(kThreads % kTileN == 0 && Tr::kChunks % kThreadsPerRow == 0, "copy ownership");
+  const int copy_row = tid / kThreadsPerRow, copy_c0 = tid % kThreadsPerRow;
   auto load_tile = [&](int tile, int stage) {
-    const int tile_start = kv_begin + tile * kTileN;
-    int pos[kLookups], blk_idx[kLookups], blk[kLookups];
+    const int pos = kv_begin + tile * kTileN + copy_row;
+    const int p = min(pos, kv_end - 1);                        // kv_end > kv_begin here
+    const int blk_idx = pb.bs_mul ? (int)(__umulhi((uint32_t)p, pb.bs_mul) >> pb.bs_shr) : p;
+    const int blk = __ldg(block_table + blk_idx);
+    const bool ok = pos < kv_end && (unsigned)blk < (unsigned)a.num_blocks;
+    const int64_t cache_pos = (int64_t)blk * a.block_size + (pos - blk_idx * a.block_size);
+    // byte offset of this (position, kv head) row; bytes per position (all heads) < 2^25
+    const uint64_t row_off = ok ? (uint64_t)cache_pos * ((uint32_t)a.num_kv_heads * Tr::kRowBytes) +
+                                      (uint32_t)kvh * Tr::kRowBytes : 0;
+    const uint8_t* k_row = static_cast<const uint8_t*>(a.k_cache) + row_off;
+    const uint8_t* v_row = static_cast<const uint8_t*>(a.v_cache) + row_off;
+    const uint32_t k_dst = smem_addr(kv_smem) + (stage * 2) * Tr::kTileBytes;
 #pragma unroll
-    for (int i = 0; i < kLookups; ++i) {
-      pos[i] = tile_start + (i < kPasses ? i * Tr::kRowsPerPass + tid / Tr::kChunks : tid % kTileN);
-      const int p = min(pos[i], kv_end - 1);                   // kv_end > kv_begin here
-      blk_idx[i] = pb.bs_mul ? (int)(__umulhi((uint32_t)p, pb.bs_mul) >> pb.bs_shr) : p;
-      blk[i] = __ldg(block_table + blk_idx[i]);
-    }
-    // Cache row (block · bs + offset) of lookup i, or −1 (zero-filled).
-    auto cache_row = [&](int i) -> int64_t {
-      if (pos[i] >= kv_end || (unsigned)blk[i] >= (unsigned)a.num_blocks) return -1;
-      return (int64_t)blk[i] * a.block_size + (pos[i] - blk_idx[i] * a.block_size);
-    };
-    const int chunk = tid % Tr::kChunks;
-    uint8_t* k_dst = kv_smem + (stage * 2) * Tr::kTileBytes;
-    uint8_t* v_dst = k_dst + Tr::kTileBytes;
-    const uint8_t* k_src = static_cast<const uint8_t*>(a.k_cache);
-    const uint8_t* v_src = static_cast<const uint8_t*>(a.v_cache);
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int row = pass * Tr::kRowsPerPass + tid / Tr::kChunks;
-      const int64_t cache_pos = cache_row(pass);
-      const bool ok = cache_pos >= 0;
-      const int64_t off = ((cache_pos * row_elems + (int64_t)kvh * HD) * Tr::kElemBytes) + chunk * 16;
-      const int dst = Tr::swizzle(row, chunk);
-      cp_async_16(smem_addr(k_dst + dst), ok ? k_src + off : k_src, ok);
-      cp_async_16(smem_addr(v_dst + dst), ok ? v_src + off : v_src, ok);
+    for (int k = 0; k < kChunksPerThread; ++k) {
+      const int c = kThreadsPerRow * k + copy_c0;
+      const uint32_t dst = k_dst + Tr::swizzle(copy_row, c);
+      cp_async_16(dst, k_row + 16 * c, ok);
+      cp_async_16(dst + Tr::kTileBytes, v_row + 16 * c, ok);
     }
     if constexpr (FP8) {
-      if (tid < kTileN) {
-        const int64_t cache_pos = cache_row(kPasses);
-        const bool ok = cache_pos >= 0;
-        const int64_t off = cache_pos * a.num_kv_heads + kvh;
-        float* s_dst = scale_smem + stage * 2 * kTileN;
-        cp_async_4(smem_addr(s_dst + tid), ok ? a.k_scale + off : a.k_scale, ok);
-        cp_async_4(smem_addr(s_dst + kTileN + tid), ok ? a.v_scale + off : a.v_scale, ok);
+      if (copy_c0 < 2) {                                       // 0: K scale, 1: V scale
+        const float* src = copy_c0 == 0 ? a.k_scale : a.v_scale;
+        float* s_dst = scale_smem + (stage * 2 + copy_c0) * kTileN + copy_row;
+        cp_async_4(smem_addr(s_dst), ok ? src + (cache_pos * a.num_kv_heads + kvh) : src, ok);
       }
     }
   };
@@ -525,8 +521,14 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     cp_async_wait<kStages - 2>();
     __syncthreads();                            // (tile landed) every thread's copies visible;
                                                 // stage (tile − 1) % kStages free again
-    if (tile + kStages - 1 < n_tiles) load_tile(tile + kStages - 1, (tile + kStages - 1) % kStages);
-    cp_async_commit();
+    // Next copies: with one row tile issued after the score MMAs (below), so their address
+    // math overlaps the MMA latency; with 2–4 row tiles here (v1's place): there the live
+    // score accumulators would push the 255-register instance into spills (52 B measured).
+    constexpr bool kLoadAfterScores = M_TILES == 1;
+    if constexpr (!kLoadAfterScores) {
+      if (tile + kStages - 1 < n_tiles) load_tile(tile + kStages - 1, (tile + kStages - 1) % kStages);
+      cp_async_commit();
+    }
     const int stage = tile % kStages;
     const uint8_t* k_tile = kv_smem + (stage * 2) * Tr::kTileBytes;
     const uint8_t* v_tile = k_tile + Tr::kTileBytes;
@@ -572,6 +574,12 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
           mma_bf16(s_part[i % kChains][mt], qa, kb[i][0], kb[i][1]);
         }
       }
+    }
+    // Next copies (one row tile). Stage (tile + kStages − 1) % kStages = (tile − 1) % kStages
+    // was last read in iteration tile − 1, before the (tile landed) barrier.
+    if constexpr (kLoadAfterScores) {
+      if (tile + kStages - 1 < n_tiles) load_tile(tile + kStages - 1, (tile + kStages - 1) % kStages);
+      cp_async_commit();
     }
     float s_acc[M_TILES][4];
 #pragma unroll
