@@ -907,7 +907,7 @@ MOE_ROUTE_MAX_EXPERTS = 1024  # one warp per row, ≤ 32 logits per lane (csrc/m
 MOE_ROUTE_MAX_TOP_K = 32
 
 
-def moe_route(logits: Tensor, top_k: int, renormalize: bool = True) -> tuple[Tensor, Tensor]:
+def moe_route(logits: Tensor, top_k: int, renormalize: bool = True, *, shared_slot: bool = False) -> tuple[Tensor, Tensor]:
     """MoE routing on the device (no host sync): softmax over all E experts in float32, top-k
     by logit with the lowest expert index winning ties, renormalized when `renormalize`.
 
@@ -916,8 +916,12 @@ def moe_route(logits: Tensor, top_k: int, renormalize: bool = True) -> tuple[Ten
             (a row stride > E is fine: e.g. the first E columns of [router | shared gate] logits).
         top_k: experts per row, 1 ≤ top_k ≤ min(E, 32).
         renormalize: divide the k weights by their sum (Qwen3 `norm_topk_prob`); default True.
+        shared_slot: logits are [T, E + 1] = [router | shared-expert gate logit]; routing uses
+            the first E columns and one more slot k = (id E, weight sigmoid(logits[:, E])) is
+            appended, so ops.moe_experts runs the shared expert (stored as expert E) as one more
+            pair. Needs top_k ≤ 31. Default False.
     Returns:
-        ids int32 [T, k] (slot j = j-th best expert), weights float32 [T, k].
+        ids int32 [T, k (+1)] (slot j = j-th best expert), weights float32 [T, k (+1)].
     Raises:
         TypeError: wrong dtype or top_k not an int. ValueError: wrong rank, E, top_k.
     Example:
@@ -930,30 +934,32 @@ def moe_route(logits: Tensor, top_k: int, renormalize: bool = True) -> tuple[Ten
         logits = logits.contiguous()
     if not isinstance(top_k, int) or isinstance(top_k, bool):
         raise TypeError(f"{op}: top_k must be an int, got {type(top_k).__name__}")
-    e = logits.shape[1]
+    e = logits.shape[1] - (1 if shared_slot else 0)
+    if shared_slot and top_k >= MOE_ROUTE_MAX_TOP_K:
+        raise ValueError(f"{op}: top_k must be < {MOE_ROUTE_MAX_TOP_K} with shared_slot, got {top_k}")
     if not 1 <= e <= MOE_ROUTE_MAX_EXPERTS:
         raise ValueError(f"{op}: logits must have 1 ≤ E ≤ {MOE_ROUTE_MAX_EXPERTS} experts, got E = {e}")
     if not 1 <= top_k <= min(e, MOE_ROUTE_MAX_TOP_K):
         raise ValueError(f"{op}: top_k must be in [1, {min(e, MOE_ROUTE_MAX_TOP_K)}] for E = {e}, got {top_k}")
     if use_kernel(logits):
-        return torch.ops.atlas.moe_route(logits, top_k, bool(renormalize))   # rows may be strided
-    return reference.moe_route(logits, top_k, bool(renormalize))
+        return torch.ops.atlas.moe_route(logits, top_k, bool(renormalize), bool(shared_slot))   # rows may be strided
+    return reference.moe_route(logits, top_k, bool(renormalize), bool(shared_slot))
 
 
 @torch.library.custom_op("atlas::moe_route", mutates_args=())
-def _moe_route_kernel(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
-    t = logits.shape[0]
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+def _moe_route_kernel(logits: Tensor, top_k: int, renormalize: bool, shared_slot: bool) -> tuple[Tensor, Tensor]:
+    t, k = logits.shape[0], top_k + (1 if shared_slot else 0)
+    ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     if t > 0:
-        _C.moe_route(logits, ids, weights, renormalize)
+        _C.moe_route(logits, ids, weights, renormalize, shared_slot)
     return ids, weights
 
 
 @_moe_route_kernel.register_fake
-def _(logits, top_k, renormalize):
-    t = logits.shape[0]
-    return (logits.new_empty(t, top_k, dtype=torch.int32), logits.new_empty(t, top_k, dtype=torch.float32))
+def _(logits, top_k, renormalize, shared_slot):
+    t, k = logits.shape[0], top_k + (1 if shared_slot else 0)
+    return (logits.new_empty(t, k, dtype=torch.int32), logits.new_empty(t, k, dtype=torch.float32))
 
 
 def embedding(table: Tensor, ids: Tensor) -> Tensor:
@@ -1080,7 +1086,7 @@ def _dense_stack(t: tuple) -> Tensor:
 
 
 def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shared: Optional[Tensor] = None,
-                shared_gate: Optional[Tensor] = None) -> Tensor:
+                shared_gate: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """Routed SwiGLU experts as grouped GEMVs over device-side expert ids (no host sync).
 
     Args:
@@ -1093,6 +1099,8 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
             global_scale f32 [E]); all three in the same format.
         shared: optional [T, h] bf16, the shared expert's output, combined in the epilogue;
         shared_gate: [T] bf16 (any stride) shared-expert gate logits, required with shared.
+        out_dtype: float32 (default without shared) or bfloat16 (the sum rounded once; the only
+            choice with shared).
     Returns:
         float32 [T, h] = Σ_j weights[t, j] · bf16(down_e · bf16(silu(bf16(gate_e·x))·bf16(up_e·x)))
         (reference.moe_experts); with `shared`: bf16 [T, h] = bf16(that + sigmoid(shared_gate) ·
@@ -1125,6 +1133,10 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
         raise ValueError(f"{op}: ids must have 1 ≤ k ≤ 32 and T·k ≤ 65535, got T = {t}, k = {k}")
     if (shared is None) != (shared_gate is None):
         raise ValueError(f"{op}: shared and shared_gate must be given together")
+    if out_dtype is None:
+        out_dtype = torch.float32 if shared is None else torch.bfloat16
+    if out_dtype not in (torch.float32, torch.bfloat16) or (shared is not None and out_dtype != torch.bfloat16):
+        raise TypeError(f"{op}: out_dtype must be float32 or bfloat16 (bfloat16 with shared), got {out_dtype}")
     if shared is not None:
         check_tensor(op, "shared", shared, dtype=torch.bfloat16, shape=(t, h), device=x.device, contiguous=True,
                      what="bf16 [T, h]")
@@ -1137,11 +1149,12 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
         # (csrc/moe_experts.cu). Fewer pairs rarely share an expert (T = 1 never does): the
         # sort's two launches would cost more than the L2 hits save.
         order = torch.argsort(ids.view(-1), stable=True).to(torch.int32) if 2 * t * k >= g[0].shape[0] else None
-        return torch.ops.atlas.moe_experts(x, ids, weights, g[0], *s4, shared, shared_gate, order)
+        return torch.ops.atlas.moe_experts(x, ids, weights, g[0], *s4, shared, shared_gate, order,
+                                           out_dtype == torch.bfloat16)
     out = reference.moe_experts(x, ids, weights, _dense_stack(g), _dense_stack(u), _dense_stack(d))
     if shared is not None:
-        out = (out + torch.sigmoid(shared_gate.float()).unsqueeze(-1) * shared.float()).to(torch.bfloat16)
-    return out
+        out = out + torch.sigmoid(shared_gate.float()).unsqueeze(-1) * shared.float()
+    return out.to(out_dtype)
 
 
 @torch.library.custom_op("atlas::moe_experts", mutates_args=())
@@ -1149,11 +1162,11 @@ def _moe_experts_kernel(x: Tensor, ids: Tensor, weights: Tensor, gate: Tensor, g
                         gate_gs: Optional[Tensor], up: Tensor, up_scale: Optional[Tensor], up_gs: Optional[Tensor],
                         down: Tensor, down_scale: Optional[Tensor], down_gs: Optional[Tensor],
                         shared: Optional[Tensor], shared_gate: Optional[Tensor],
-                        pair_order: Optional[Tensor]) -> Tensor:
+                        pair_order: Optional[Tensor], out_bf16: bool) -> Tensor:
     t, h = x.shape
     k = ids.shape[1]
     act = torch.empty(t * k, gate.shape[1], dtype=torch.bfloat16, device=x.device)
-    out = torch.empty(t, h, dtype=torch.float32 if shared is None else torch.bfloat16, device=x.device)
+    out = torch.empty(t, h, dtype=torch.bfloat16 if out_bf16 else torch.float32, device=x.device)
     _C.moe_experts(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs,
                    shared, shared_gate, pair_order, act, out)
     return out
@@ -1161,5 +1174,5 @@ def _moe_experts_kernel(x: Tensor, ids: Tensor, weights: Tensor, gate: Tensor, g
 
 @_moe_experts_kernel.register_fake
 def _(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs, shared, shared_gate,
-      pair_order):
-    return x.new_empty(x.shape, dtype=torch.float32 if shared is None else torch.bfloat16)
+      pair_order, out_bf16):
+    return x.new_empty(x.shape, dtype=torch.bfloat16 if out_bf16 else torch.float32)

@@ -323,20 +323,27 @@ def argmax(logits: torch.Tensor):
     return ids.to(torch.int64), prob.to(torch.float32)
 
 
-def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool = True):
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool = True, shared_slot: bool = False):
     """MoE router: softmax over all E experts in float32, top-k, optional renormalization.
 
     logits [T, E] bf16 | f32 → (ids int32 [T, k], weights float32 [T, k]).
     Experts are ranked by logit (softmax is monotonic, so this is the rank by probability
     without the ties that rounding of the probabilities would add); among equal logits the
     lowest expert index wins. Slot j holds the j-th best expert. weights = softmax(logits)[ids],
-    divided by their sum when `renormalize` (Qwen3 `norm_topk_prob`)."""
+    divided by their sum when `renormalize` (Qwen3 `norm_topk_prob`).
+    shared_slot: logits is [T, E + 1] = [router | shared-expert gate]; routing uses the first E
+    columns and the outputs get slot k = (E, sigmoid(logits[:, E])) → [T, k + 1]."""
     x = logits.float()
+    if shared_slot:
+        x, gate = x[:, :-1], x[:, -1:]
     probs = torch.softmax(x, dim=-1)
     order = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [T, k]
     w = probs.gather(-1, order)
     if renormalize:
         w = w / w.sum(dim=-1, keepdim=True)
+    if shared_slot:
+        order = torch.cat([order, torch.full_like(order[:, :1], x.shape[1])], dim=1)
+        w = torch.cat([w, 1.0 / (1.0 + torch.exp(-gate))], dim=1)
     return order.to(torch.int32), w.to(torch.float32)
 
 

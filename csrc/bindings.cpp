@@ -427,10 +427,10 @@ void argmax(const torch::Tensor& logits,     // [R, V] bf16|f32, inner dim conti
   check_cuda(atlas::launch_argmax(a, current_stream(logits)), "argmax");
 }
 
-void moe_route(const torch::Tensor& logits,   // [T, E] bf16|f32 contiguous
-               torch::Tensor& ids,            // [T, k] int32 (out)
-               torch::Tensor& weights,        // [T, k] f32 (out)
-               bool renormalize) {
+void moe_route(const torch::Tensor& logits,   // [T, E (+1 shared gate)] bf16|f32, last dim contiguous
+               torch::Tensor& ids,            // [T, k (+1)] int32 (out)
+               torch::Tensor& weights,        // [T, k (+1)] f32 (out)
+               bool renormalize, bool shared_slot) {
   CHECK_CUDA_TENSOR(logits); CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(weights);
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 &&
               (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kFloat),
@@ -442,9 +442,12 @@ void moe_route(const torch::Tensor& logits,   // [T, E] bf16|f32 contiguous
   atlas::MoeRouteArgs a{};
   a.logits = logits.data_ptr();
   a.dtype = logits.scalar_type() == torch::kBFloat16 ? atlas::DType::kBF16 : atlas::DType::kF32;
-  a.num_tokens = logits.size(0); a.num_experts = static_cast<int>(logits.size(1)); a.top_k = static_cast<int>(ids.size(1));
+  const int extra = shared_slot ? 1 : 0;   // shared slot: column E of the logits, slot k of the outputs
+  a.num_tokens = logits.size(0); a.num_experts = static_cast<int>(logits.size(1)) - extra;
+  a.top_k = static_cast<int>(ids.size(1)) - extra;
   a.row_stride = logits.size(0) > 1 ? logits.stride(0) : logits.size(1);
-  a.renormalize = renormalize; a.ids = ids.data_ptr<int32_t>(); a.weights = weights.data_ptr<float>();
+  a.renormalize = renormalize; a.shared_slot = shared_slot;
+  a.ids = ids.data_ptr<int32_t>(); a.weights = weights.data_ptr<float>();
   check_cuda(atlas::launch_moe_route(a, current_stream(logits)), "moe_route");
 }
 
@@ -537,8 +540,9 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "moe_experts: weights must be f32 [T, k]");
   TORCH_CHECK(act.numel() == t * k * inter && act.scalar_type() == torch::kBFloat16, "moe_experts: act must be bf16 [T*k, I]");
   const bool with_shared = shared.has_value();
-  TORCH_CHECK(out.numel() == t * h && out.scalar_type() == (with_shared ? torch::kBFloat16 : torch::kFloat),
-              "moe_experts: out must be [T, h], f32 (bf16 with a shared expert)");
+  TORCH_CHECK(out.numel() == t * h && (out.scalar_type() == torch::kBFloat16 ||
+                                       (!with_shared && out.scalar_type() == torch::kFloat)),
+              "moe_experts: out must be [T, h], f32 | bf16 (bf16 with a shared expert)");
   if (with_shared) {
     TORCH_CHECK(shared->is_contiguous() && shared->numel() == t * h && shared->scalar_type() == torch::kBFloat16 &&
                 shared_gate.has_value() && shared_gate->dim() == 1 && shared_gate->size(0) == t &&
@@ -553,6 +557,7 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
   a.up = moe::stack(up, up_scale, up_gs, nvfp4, inter, h, "up");
   a.down = moe::stack(down, down_scale, down_gs, nvfp4, h, inter, "down");
   a.nvfp4 = nvfp4; a.act = act.data_ptr(); a.out = out.data_ptr();
+  a.out_bf16 = out.scalar_type() == torch::kBFloat16;
   if (with_shared) {
     a.shared = shared->data_ptr(); a.shared_gate = shared_gate->data_ptr(); a.shared_gate_stride = shared_gate->stride(0);
   }

@@ -182,7 +182,8 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(
     const __nv_bfloat16* __restrict__ shared,        // [T, h] or nullptr
     const __nv_bfloat16* __restrict__ shared_gate,   // [T] (stride shared_gate_stride)
     int64_t shared_gate_stride,
-    void* __restrict__ out,                  // [T, h] f32 (no shared) | bf16 (shared)
+    bool out_bf16,
+    void* __restrict__ out,                  // [T, h] f32 | bf16 (shared or out_bf16)
     int top_k, int num_experts, int hidden, int inter) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* lut = reinterpret_cast<float*>(smem);                                  // [16]
@@ -207,7 +208,11 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(
     }
     if (lane == 0) {
       if (shared == nullptr) {
-        static_cast<float*>(out)[t * hidden + n] = acc;
+        if (out_bf16) {
+          static_cast<__nv_bfloat16*>(out)[t * hidden + n] = __float2bfloat16(acc);
+        } else {
+          static_cast<float*>(out)[t * hidden + n] = acc;
+        }
       } else {
         const float sg = __bfloat162float(shared_gate[t * shared_gate_stride]);
         const float v = acc + __bfloat162float(shared[t * hidden + n]) / (1.f + expf(-sg));
@@ -234,7 +239,7 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, cudaStream_t stream) {
   return launch_pdl(moe_down_kernel<W>, dim3(ceil_div(a.hidden, kRowsPerCta), static_cast<unsigned>(a.num_tokens)),
                     dim3(kThreads), down_smem, stream, static_cast<const __nv_bfloat16*>(a.act), a.ids, a.weights,
                     a.down, static_cast<const __nv_bfloat16*>(a.shared),
-                    static_cast<const __nv_bfloat16*>(a.shared_gate), a.shared_gate_stride, a.out, a.top_k,
+                    static_cast<const __nv_bfloat16*>(a.shared_gate), a.shared_gate_stride, a.out_bf16, a.out, a.top_k,
                     a.num_experts, a.hidden, a.inter);
 }
 

@@ -31,7 +31,9 @@ struct MoeExpertsArgs {
   const void* shared;     // optional [T, h] bf16 contiguous: the shared expert's output
   const void* shared_gate;   // [T] bf16 logits, element t at shared_gate + t·shared_gate_stride
   int64_t shared_gate_stride;
-  void* out;              // shared == nullptr: [T, h] f32 = Σ_j weights[t, j] · bf16(down_e · act)
+  bool out_bf16;          // (shared == nullptr) store the sum rounded to bf16 instead of f32
+  void* out;              // shared == nullptr: [T, h] f32 | bf16 (out_bf16) = Σ_j weights[t, j] ·
+                          //   bf16(down_e · act)
                           // else: [T, h] bf16 = bf16(that + sigmoid(shared_gate[t]) · shared[t])
   int64_t num_tokens;     // T ≥ 1
   int top_k;              // k, 1..kMoeExpertsMaxTopK

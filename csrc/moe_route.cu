@@ -5,6 +5,9 @@
 //   ids[t, :] = the k experts of largest logit, best first; equal logits: lower index first
 //               (ranking by logit, not by the rounded p, which could tie distinct logits)
 //   w[t, j]   = p[t, ids[t, j]]  (÷ Σ_j p[t, ids[t, j]] when renormalize)
+//   shared_slot: ids[t, k] = E, w[t, k] = sigmoid(x[t, E]) — the shared-expert gate logit that
+//   rides in column E of [router | shared gate] logits, so moe_experts runs the shared expert
+//   as one more (row, slot) pair
 //
 // Decomposition: one warp per row (token), 4 rows per 128-thread CTA, grid ceil(T / 4).
 //   Lane l holds experts e = l + 32·i, i ∈ [0, kPerLane) in registers (kPerLane = the smallest
@@ -64,9 +67,9 @@ __device__ __forceinline__ void warp_argmax(float& v, int& idx) {
 template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kWarpsPerCta * 32) moe_route_kernel(
     const T* __restrict__ logits,     // [T, E], rows row_stride apart
-    int64_t row_stride, int64_t num_tokens, int num_experts, int top_k, bool renormalize,
-    int32_t* __restrict__ ids,        // [T, k]
-    float* __restrict__ weights) {    // [T, k]
+    int64_t row_stride, int64_t num_tokens, int num_experts, int top_k, bool renormalize, bool shared_slot,
+    int32_t* __restrict__ ids,        // [T, k (+1)]
+    float* __restrict__ weights) {    // [T, k (+1)]
   const int lane = threadIdx.x % 32;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   pdl_wait();                         // the router logits are the previous kernel's output
@@ -112,10 +115,14 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) moe_route_kernel(
     if (lane == j) { my_id = bi; my_p = p; }
   }
 
-  // 4. store (renormalized: w = p / Σ p over the k selected)
+  // 4. store (renormalized: w = p / Σ p over the k selected); lane k: the shared-expert slot
+  const int out_k = top_k + (shared_slot ? 1 : 0);
   if (lane < top_k) {
-    ids[t * top_k + lane] = my_id;
-    weights[t * top_k + lane] = renormalize ? my_p / sum_p : my_p;
+    ids[t * out_k + lane] = my_id;
+    weights[t * out_k + lane] = renormalize ? my_p / sum_p : my_p;
+  } else if (shared_slot && lane == top_k) {
+    ids[t * out_k + lane] = num_experts;
+    weights[t * out_k + lane] = 1.f / (1.f + expf(-load_logit(row + num_experts)));
   }
 }
 
@@ -127,7 +134,7 @@ cudaError_t launch_typed(const MoeRouteArgs& a, cudaStream_t stream) {
   const int per_lane = ceil_div(a.num_experts, 32);
   auto run = [&](auto kernel) {
     return launch_pdl(kernel, grid, block, 0, stream, x, a.row_stride, a.num_tokens, a.num_experts, a.top_k,
-                      a.renormalize, a.ids, a.weights);
+                      a.renormalize, a.shared_slot, a.ids, a.weights);
   };
   if (per_lane <= 1) return run(moe_route_kernel<T, 1>);
   if (per_lane <= 2) return run(moe_route_kernel<T, 2>);
@@ -140,7 +147,8 @@ cudaError_t launch_typed(const MoeRouteArgs& a, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_moe_route(const MoeRouteArgs& a, cudaStream_t stream) {
-  if (a.num_tokens < 1 || a.row_stride < a.num_experts || a.num_experts < 1 || a.num_experts > kMoeRouteMaxExperts || a.top_k < 1 ||
+  if (a.num_tokens < 1 || a.row_stride < a.num_experts + (a.shared_slot ? 1 : 0) ||
+      (a.shared_slot && a.top_k >= 32) || a.num_experts < 1 || a.num_experts > kMoeRouteMaxExperts || a.top_k < 1 ||
       a.top_k > a.num_experts || a.top_k > kMoeRouteMaxTopK || a.logits == nullptr || a.ids == nullptr ||
       a.weights == nullptr || ceil_div<int64_t>(a.num_tokens, kWarpsPerCta) > INT_MAX) {
     return cudaErrorInvalidValue;

@@ -19,8 +19,10 @@ struct MoeRouteArgs {
   int num_experts;      // E, 1..kMoeRouteMaxExperts
   int top_k;            // k, 1..min(E, kMoeRouteMaxTopK)
   bool renormalize;     // divide the k weights by their sum (Qwen3 norm_topk_prob)
-  int32_t* ids;         // [T, k] out: slot j = j-th best expert
-  float* weights;       // [T, k] out
+  bool shared_slot;     // also emit slot k = (id E, sigmoid(logits[t, E])): the shared expert as one
+                        // more weighted expert (needs row_stride ≥ E + 1 and k ≤ 31)
+  int32_t* ids;         // [T, k (+1)] out: slot j = j-th best expert
+  float* weights;       // [T, k (+1)] out
 };
 
 // One launch on `stream`; never syncs. cudaErrorInvalidValue outside the ranges above.

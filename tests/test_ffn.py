@@ -115,8 +115,9 @@ def _hf_moe(cfg, moe: SparseMoE):
         hf.shared_expert_gate.weight.copy_(moe.shared_gate)
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(hf.shared_expert, name).weight.copy_(getattr(moe.shared, name).dense())
-        hf.experts.gate_up_proj.copy_(torch.cat([moe.experts.gate.dense(), moe.experts.up.dense()], dim=1))
-        hf.experts.down_proj.copy_(moe.experts.down.dense())
+        e = moe.num_experts   # the stacks may hold the shared expert as one more entry
+        hf.experts.gate_up_proj.copy_(torch.cat([moe.experts.gate.dense()[:e], moe.experts.up.dense()[:e]], dim=1))
+        hf.experts.down_proj.copy_(moe.experts.down.dense()[:e])
     return hf
 
 
@@ -141,11 +142,13 @@ def test_sparse_moe_matches_hf(weight_format, dialect, fused, t, path):
 
 @pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("t", [1, 6, 33])
-def test_sparse_moe_kernel_path_matches_hf(weight_format, t):
-    """path "kernel" = ops.moe_experts (the CUDA default; here its reference)."""
-    g = _gen("moe-kernel-path", weight_format, t)
-    cfg = _moe_cfg()
+@pytest.mark.parametrize("shared_width", [32, 48])   # 32 = the experts' width: shared expert as slot k
+def test_sparse_moe_kernel_path_matches_hf(weight_format, t, shared_width):
+    """path "kernel" = moe_route + ops.moe_experts (the CUDA default; here their references)."""
+    g = _gen("moe-kernel-path", weight_format, t, shared_width)
+    cfg = _moe_cfg(shared=shared_width)
     moe = build_ffn(cfg, _moe_state_dict(g, cfg, "bf16", True), "mlp.", weight_format, "cpu")
+    assert moe.experts.has_shared_slot == (shared_width == 32)
     x = _rand(g, t, cfg.hidden_size, scale=2.0)
     with torch.no_grad():
         ref = _hf_moe(cfg, moe)(x.unsqueeze(0)).squeeze(0)

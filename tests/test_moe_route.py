@@ -177,6 +177,42 @@ def test_moe_experts_kernel_graph_replay():
     assert torch.equal(out, ops.moe_experts(x, ids, w, gate, up, down))
 
 
+def test_moe_route_shared_slot():
+    g = _gen("shared-slot")
+    x = torch.randn(4, 9, generator=g)
+    ids, w = ops.moe_route(x, 3, shared_slot=True)
+    ids0, w0 = ops.moe_route(x[:, :8], 3)
+    assert ids.shape == (4, 4) and torch.equal(ids[:, :3], ids0) and (ids[:, 3] == 8).all()
+    torch.testing.assert_close(w[:, :3], w0)
+    torch.testing.assert_close(w[:, 3], torch.sigmoid(x[:, 8]))
+    with pytest.raises(ValueError, match="shared_slot"):
+        ops.moe_route(torch.randn(2, 65), 32, shared_slot=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_route_kernel_shared_slot(dtype):
+    g = _gen("shared-slot-cuda", dtype)
+    x = (torch.randn(33, 257, generator=g) * 3).to(dtype)
+    ids_ref, w_ref = reference.moe_route(x, 8, True, True)
+    ids, w = ops.moe_route(x.cuda(), 8, shared_slot=True)
+    assert torch.equal(ids.cpu(), ids_ref)
+    torch.testing.assert_close(w.cpu(), w_ref, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.cuda
+def test_moe_experts_kernel_bf16_out():
+    g = _gen("experts-bf16-out")
+    (gate, up, down), _ = _stacks(g, 9, 64, 256, "nvfp4")
+    x = torch.randn(5, 256, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(9, generator=g)[:3] for _ in range(5)]).int()
+    w = torch.rand(5, 3, generator=g)
+    ref = ops.moe_experts(x, ids, w, gate, up, down, out_dtype=torch.bfloat16)
+    out = ops.moe_experts(x.cuda(), ids.cuda(), w.cuda(), _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda"),
+                          out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and rel_err(out.cpu(), ref) < 5e-3
+
+
 def test_moe_route_strided_logits():
     """The first E columns of [router | shared gate] logits route like a contiguous copy."""
     x = torch.randn(5, 9)

@@ -148,8 +148,9 @@ class HfMtp:
                 mlp.shared_expert_gate.weight.copy_(f.shared_gate.cpu())
                 for name in ("gate_proj", "up_proj", "down_proj"):
                     getattr(mlp.shared_expert, name).weight.copy_(getattr(f.shared, name).dense().cpu())
-                mlp.experts.gate_up_proj.copy_(torch.cat([f.experts.gate.dense(), f.experts.up.dense()], 1).cpu())
-                mlp.experts.down_proj.copy_(f.experts.down.dense().cpu())
+                e = f.num_experts   # the stacks may hold the shared expert as one more entry
+                mlp.experts.gate_up_proj.copy_(torch.cat([f.experts.gate.dense()[:e], f.experts.up.dense()[:e]], 1).cpu())
+                mlp.experts.down_proj.copy_(f.experts.down.dense()[:e].cpu())
             else:
                 for name in ("gate_proj", "up_proj", "down_proj"):
                     getattr(mlp, name).weight.copy_(getattr(head.ffn, name).dense().cpu())

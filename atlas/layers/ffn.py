@@ -122,9 +122,10 @@ class _Stack:
         self.shape = tuple(weights[0].shape)
 
     @classmethod
-    def from_dense(cls, w: Tensor, weight_format: str, device) -> "_Stack":
-        """From a fused BF16 checkpoint tensor [E, N, K]."""
-        return cls([convert_weight(w[e], weight_format, device) for e in range(w.shape[0])], weight_format)
+    def from_dense(cls, w: Tensor, weight_format: str, device, extra: list = ()) -> "_Stack":
+        """From a fused BF16 checkpoint tensor [E, N, K] (+ `extra` converted weights appended)."""
+        return cls([convert_weight(w[e], weight_format, device) for e in range(w.shape[0])] + list(extra),
+                   weight_format)
 
     @property
     def nbytes(self) -> int:
@@ -146,10 +147,10 @@ class _Stack:
         s = s.repeat_interleave(FP8_BLOCK, 1)[:, :n].repeat_interleave(FP8_BLOCK, 2)[:, :, :k]
         return (w.float() * s).to(torch.bfloat16)
 
-    def chunks(self, size: int):
-        """(first expert, bf16 [c, N, K]) over consecutive chunks of ≤ size experts."""
-        for e0 in range(0, self.num_experts, size):
-            idx = torch.arange(e0, min(e0 + size, self.num_experts), device=self.t[0].device)
+    def chunks(self, size: int, limit: int):
+        """(first expert, bf16 [c, N, K]) over consecutive chunks of ≤ size of the first `limit` experts."""
+        for e0 in range(0, limit, size):
+            idx = torch.arange(e0, min(e0 + size, limit), device=self.t[0].device)
             yield e0, self.dense(idx)
 
 
@@ -171,15 +172,22 @@ class ExpertBank:
     copies and re-reads what it reads), else dense.
     """
 
-    def __init__(self, gate: _Stack, up: _Stack, down: _Stack):
+    def __init__(self, gate: _Stack, up: _Stack, down: _Stack, num_experts: int | None = None):
         self.gate, self.up, self.down = gate, up, down
-        self.num_experts = gate.num_experts
+        self.num_experts = gate.num_experts if num_experts is None else num_experts   # routed E
+        # a stack may hold one more expert at index E: the shared expert, run by the kernel path
+        # as slot k of every row (moe_route(shared_slot=True))
+        self.has_shared_slot = gate.num_experts == self.num_experts + 1
 
     @classmethod
-    def from_state_dict(cls, state_dict, prefix: str, num_experts: int, weight_format: str, device):
+    def from_state_dict(cls, state_dict, prefix: str, num_experts: int, weight_format: str, device,
+                        shared: tuple | None = None):
         """prefix: "...mlp.experts." — fused BF16 `gate_up_proj` [E, 2I, h] (gate half first) and
-        `down_proj` [E, h, I], or per-expert `{e}.gate_proj.` / `{e}.up_proj.` / `{e}.down_proj.`."""
+        `down_proj` [E, h, I], or per-expert `{e}.gate_proj.` / `{e}.up_proj.` / `{e}.down_proj.`.
+        shared: optional (gate, up, down) weights in weight_format (the shared expert, same I),
+        stored as expert E of the stacks."""
         sd = state_dict
+        extra = [[w] for w in shared] if shared is not None else [[], [], []]
         if prefix + "gate_up_proj" in sd:
             gu = sd[prefix + "gate_up_proj"]
             down = _need(sd, prefix + "down_proj")
@@ -190,14 +198,14 @@ class ExpertBank:
                     raise TypeError(f"{key}: fused experts must be a BF16/F16/F32 tensor (quantized experts "
                                     f"come per expert: experts.{{e}}.gate_proj.*), got {t.dtype}")
             i = gu.shape[1] // 2
-            return cls(_Stack.from_dense(gu[:, :i], weight_format, device),
-                       _Stack.from_dense(gu[:, i:], weight_format, device),
-                       _Stack.from_dense(down, weight_format, device))
+            return cls(_Stack.from_dense(gu[:, :i], weight_format, device, extra[0]),
+                       _Stack.from_dense(gu[:, i:], weight_format, device, extra[1]),
+                       _Stack.from_dense(down, weight_format, device, extra[2]), num_experts)
         roles = []
-        for role in ("gate_proj", "up_proj", "down_proj"):
+        for role, more in zip(("gate_proj", "up_proj", "down_proj"), extra):
             ws = [_expert_weight(sd, f"{prefix}{e}.{role}.", weight_format, device) for e in range(num_experts)]
-            roles.append(_Stack(ws, weight_format))
-        return cls(*roles)
+            roles.append(_Stack(ws + more, weight_format))
+        return cls(*roles, num_experts)
 
     @property
     def nbytes(self) -> int:
@@ -205,19 +213,22 @@ class ExpertBank:
 
     def expert_nbytes(self) -> int:
         """Bytes of one expert (all three projections)."""
-        return self.nbytes // self.num_experts
+        return self.nbytes // self.gate.num_experts
 
     def __call__(self, x: Tensor, ids: Tensor, weights: Tensor, *, path: str | None = None,
-                 chunk: int = 32, shared: Tensor | None = None, shared_gate: Tensor | None = None) -> Tensor:
-        """→ float32 [T, h]; path "kernel" with shared [T, h] bf16 and shared_gate [T] bf16 logits:
-        bf16 [T, h] = bf16(routed + sigmoid(shared_gate) · shared) (ops.moe_experts)."""
+                 chunk: int = 32, shared: Tensor | None = None, shared_gate: Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> Tensor:
+        """→ float32 [T, h] (path "kernel": out_dtype bf16 rounds the sum once instead); path
+        "kernel" with shared [T, h] bf16 and shared_gate [T] bf16 logits: bf16 [T, h] =
+        bf16(routed + sigmoid(shared_gate) · shared) (ops.moe_experts). ids may name expert E
+        (the shared slot) when the stacks hold it (has_shared_slot)."""
         t, k = ids.shape
         if path is None:
             path = self._default_path(x, t, k)
         if path == "kernel":
             pick = (lambda s: s.t) if self.gate.format == "nvfp4" else (lambda s: s.t[0])  # noqa: E731
             return ops.moe_experts(x, ids, weights, pick(self.gate), pick(self.up), pick(self.down),
-                                   shared=shared, shared_gate=shared_gate)
+                                   shared=shared, shared_gate=shared_gate, out_dtype=out_dtype)
         if shared is not None:
             raise ValueError("ExpertBank: shared / shared_gate are fused on the 'kernel' path only")
         if path == "gather":
@@ -248,7 +259,8 @@ class ExpertBank:
         route = torch.zeros(t, self.num_experts, dtype=torch.float32, device=x.device)
         route.scatter_add_(1, ids.long(), weights.float())                 # [T, E]
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-        gates, ups, downs = self.gate.chunks(chunk), self.up.chunks(chunk), self.down.chunks(chunk)
+        e = self.num_experts
+        gates, ups, downs = self.gate.chunks(chunk, e), self.up.chunks(chunk, e), self.down.chunks(chunk, e)
         for (e0, wg), (_, wu), (_, wd) in zip(gates, ups, downs):
             g = torch.einsum("eih,th->tei", wg, x)                         # [T, c, I] bf16
             u = torch.einsum("eih,th->tei", wu, x)
@@ -290,12 +302,19 @@ class SparseMoE:
         router = convert_weight(load_weight(sd, prefix + "gate."), "bf16", device)
         if tuple(router.shape) != (e, cfg.hidden_size):
             raise ValueError(f"{prefix}gate.weight must be [E={e}, h={cfg.hidden_size}], got {list(router.shape)}")
-        experts = ExpertBank.from_state_dict(sd, prefix + "experts.", e, weight_format, device)
         shared = shared_gate = None
         if any(k.startswith(prefix + "shared_expert.") for k in sd):
             shared = DenseMLP.from_state_dict(sd, prefix + "shared_expert.", weight_format, device)
             if prefix + "shared_expert_gate.weight" in sd:
                 shared_gate = convert_weight(load_weight(sd, prefix + "shared_expert_gate."), "bf16", device)
+        # The kernel path runs the shared expert as expert E of the stacks (one more pair per row,
+        # weight sigmoid(gate) from moe_route): no separate shared-expert launches. Needs the
+        # shared expert's width to equal the experts' (Qwen3-Next / 3.5 / 3.6: 512 both) and a
+        # kernel format; the DenseMLP stays for the other paths (a second copy of one expert).
+        slot = (shared is not None and shared_gate is not None and weight_format in ("bf16", "nvfp4")
+                and shared.gate_proj.out_features == cfg.moe_intermediate_size)
+        extra = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight) if slot else None
+        experts = ExpertBank.from_state_dict(sd, prefix + "experts.", e, weight_format, device, shared=extra)
         return cls(router, experts, shared, shared_gate, cfg.num_experts_per_tok,
                    bool(getattr(cfg, "norm_topk_prob", True)))
 
@@ -330,8 +349,13 @@ class SparseMoE:
     def __call__(self, x: Tensor, *, path: str | None = None) -> Tensor:
         t = x.shape[0]
         logits = self.gate_logits(x)
-        ids, w = self.route(x, logits)
         path = path or self.experts._default_path(x, t, self.top_k)
+        if path == "kernel" and self.experts.has_shared_slot:
+            # shared expert = slot k of every row: 4 launches for the whole block (router GEMV,
+            # moe_route, moe_experts' two kernels)
+            ids, w = ops.moe_route(logits, self.top_k, self.renormalize, shared_slot=True)
+            return self.experts(x, ids, w, path=path, out_dtype=torch.bfloat16)
+        ids, w = self.route(x, logits)
         if path == "kernel" and self.shared is not None and self.shared_gate is not None:
             # routed experts + sigmoid(gate)·shared expert combined in moe_experts' epilogue
             return self.experts(x, ids, w, path=path, shared=self.shared(x), shared_gate=logits[:, self.num_experts])

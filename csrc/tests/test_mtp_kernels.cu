@@ -104,9 +104,10 @@ int test_argmax(std::mt19937& rng) {
 
 // ---- moe_route --------------------------------------------------------------------------------
 int test_moe_route(std::mt19937& rng) {
-  struct C { int t, e, k; bool renorm, f32; };
-  for (const C c : {C{1, 8, 2, true, false}, C{33, 256, 8, true, false}, C{5, 512, 10, false, true},
-                    C{7, 1024, 32, true, false}, C{3, 33, 4, true, true}}) {
+  struct C { int t, e, k; bool renorm, f32, shared; };
+  for (const C c : {C{1, 8, 2, true, false, false}, C{33, 256, 8, true, false, true}, C{5, 512, 10, false, true, false},
+                    C{7, 1024, 32, true, false, false}, C{3, 33, 4, true, true, true}}) {
+    const int out_k = c.k + (c.shared ? 1 : 0);
     const int64_t stride = c.e + 1;                            // [router | shared gate] logits
     std::normal_distribution<float> normal(0.f, 3.f);
     std::vector<float> x(size_t(c.t) * stride);
@@ -115,13 +116,13 @@ int test_moe_route(std::mt19937& rng) {
     for (size_t i = 0; i < x.size(); ++i) xb[i] = __float2bfloat16(x[i]);
     Dev<float> dx(x);
     Dev<__nv_bfloat16> dxb(xb);
-    Dev<int32_t> ids(size_t(c.t) * c.k);
-    Dev<float> w(size_t(c.t) * c.k);
+    Dev<int32_t> ids(size_t(c.t) * out_k);
+    Dev<float> w(size_t(c.t) * out_k);
     atlas::MoeRouteArgs a{};
     a.logits = c.f32 ? static_cast<const void*>(dx.p) : static_cast<const void*>(dxb.p);
     a.row_stride = stride;
     a.dtype = c.f32 ? atlas::DType::kF32 : atlas::DType::kBF16;
-    a.num_tokens = c.t; a.num_experts = c.e; a.top_k = c.k; a.renormalize = c.renorm;
+    a.num_tokens = c.t; a.num_experts = c.e; a.top_k = c.k; a.renormalize = c.renorm; a.shared_slot = c.shared;
     a.ids = ids.p; a.weights = w.p;
     CHECK(atlas::launch_moe_route(a, 0));
     CHECK(cudaDeviceSynchronize());
@@ -137,11 +138,15 @@ int test_moe_route(std::mt19937& rng) {
       for (int e = 0; e < c.e; ++e) z += std::exp(double(xr[e]) - m);
       for (int j = 0; j < c.k; ++j) zsel += std::exp(double(xr[order[j]]) - m) / z;
       for (int j = 0; j < c.k; ++j) {
-        EXPECT(hi[t * c.k + j] == order[j], "moe_route E=%d row %d slot %d: id %d, want %d", c.e, t, j,
-               hi[t * c.k + j], order[j]);
+        EXPECT(hi[t * out_k + j] == order[j], "moe_route E=%d row %d slot %d: id %d, want %d", c.e, t, j,
+               hi[t * out_k + j], order[j]);
         double p = std::exp(double(xr[order[j]]) - m) / z;
         if (c.renorm) p /= zsel;
-        EXPECT(std::fabs(hw[t * c.k + j] - p) <= 1e-5 * p + 1e-7, "moe_route weight %g, want %g", hw[t * c.k + j], p);
+        EXPECT(std::fabs(hw[t * out_k + j] - p) <= 1e-5 * p + 1e-7, "moe_route weight %g, want %g", hw[t * out_k + j], p);
+      }
+      if (c.shared) {
+        const double sg = 1.0 / (1.0 + std::exp(-double(xr[c.e])));
+        EXPECT(hi[t * out_k + c.k] == c.e && std::fabs(hw[t * out_k + c.k] - sg) <= 1e-6, "moe_route shared slot");
       }
     }
   }
@@ -273,10 +278,10 @@ struct StackDev {
 };
 
 int test_moe_experts(std::mt19937& rng) {
-  struct C { int t, k, e, h, inter; bool nvfp4, shared, ordered; };
+  struct C { int t, k, e, h, inter; bool nvfp4, shared, ordered, out_bf16 = false; };
   for (const C c : {C{1, 8, 16, 2048, 512, true, true, false}, C{6, 8, 16, 2048, 512, true, true, true},
                     C{4, 2, 8, 256, 64, false, false, true}, C{3, 10, 12, 512, 128, false, true, false},
-                    C{2, 4, 6, 96, 32, true, false, false}}) {
+                    C{2, 4, 6, 96, 32, true, false, false}, C{5, 3, 9, 256, 64, true, false, true, true}}) {
     const Stack g = make_stack(rng, c.e, c.inter, c.h, c.nvfp4), u = make_stack(rng, c.e, c.inter, c.h, c.nvfp4),
                 d = make_stack(rng, c.e, c.h, c.inter, c.nvfp4);
     std::normal_distribution<float> normal;
@@ -321,6 +326,9 @@ int test_moe_experts(std::mt19937& rng) {
           want[t * c.h + n] += w[t * c.k + j] * bf(float(dd));
         }
       }
+      if (c.out_bf16) {
+        for (int n = 0; n < c.h; ++n) want[t * c.h + n] = bf(want[t * c.h + n]);
+      }
       if (c.shared) {
         const float sg = __bfloat162float(sgate[t * 3]);
         for (int n = 0; n < c.h; ++n) {
@@ -334,19 +342,21 @@ int test_moe_experts(std::mt19937& rng) {
     Dev<int32_t> did(ids), dorder(order);
     Dev<float> dw(w);
     Dev<__nv_bfloat16> act(size_t(c.t) * c.k * c.inter);
-    Dev<float> out_f(c.shared ? 0 : size_t(c.t) * c.h);
-    Dev<__nv_bfloat16> out_b(c.shared ? size_t(c.t) * c.h : 0);
+    const bool bf16_out = c.shared || c.out_bf16;
+    Dev<float> out_f(bf16_out ? 0 : size_t(c.t) * c.h);
+    Dev<__nv_bfloat16> out_b(bf16_out ? size_t(c.t) * c.h : 0);
     atlas::MoeExpertsArgs a{};
     a.x = dx.p; a.ids = did.p; a.pair_order = c.ordered ? dorder.p : nullptr; a.weights = dw.p;
     a.gate = dg.view(c.nvfp4); a.up = du.view(c.nvfp4); a.down = dd.view(c.nvfp4); a.nvfp4 = c.nvfp4;
     a.act = act.p;
     if (c.shared) { a.shared = dshared.p; a.shared_gate = dsgate.p; a.shared_gate_stride = 3; a.out = out_b.p; }
+    else if (c.out_bf16) { a.out = out_b.p; a.out_bf16 = true; }
     else { a.out = out_f.p; }
     a.num_tokens = c.t; a.top_k = c.k; a.num_experts = c.e; a.hidden = c.h; a.inter = c.inter;
     CHECK(atlas::launch_moe_experts(a, 0));
     CHECK(cudaDeviceSynchronize());
     std::vector<float> got(want.size());
-    if (c.shared) { const auto o = out_b.get(); for (size_t i = 0; i < o.size(); ++i) got[i] = __bfloat162float(o[i]); }
+    if (bf16_out) { const auto o = out_b.get(); for (size_t i = 0; i < o.size(); ++i) got[i] = __bfloat162float(o[i]); }
     else { got = out_f.get(); }
     double num = 0, den = 0;
     for (size_t i = 0; i < got.size(); ++i) {
