@@ -14,7 +14,10 @@ and converted once at load to `weight_format` ("bf16" | "fp8" | "nvfp4").
 
 Routing never leaves the GPU: router logits → `ops.moe_route` → fixed-size ids int32 [T, k] and
 weights f32 [T, k], and the experts run over those index tensors (see `ExpertBank`), so the
-whole block is CUDA-graph capturable. Precision: expert and shared-expert outputs are BF16 (as
+whole block is CUDA-graph capturable. On CUDA with BF16 or NVFP4 experts the block is four
+launches: the [router | shared gate] GEMV, moe_route (which also emits the shared expert — stored
+as expert E — as slot k of every row, weight sigmoid(gate)), and moe_experts' two kernels.
+Precision: expert and shared-expert outputs are BF16 (as
 each projection's output is), their weighted sum is accumulated in float32 and rounded to BF16
 once; the router logits are BF16 (the projection's output, as in HF) and are softmaxed in fp32.
 The router and the shared-expert gate (E·h and h weights, ≤ 2 MB) always run in BF16: routing
