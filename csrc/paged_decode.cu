@@ -76,7 +76,8 @@
 //       issued after the score MMAs (one row tile) so the address math hides under their
 //       latency; programmatic dependent launch for the attention kernel too (pdl_wait first,
 //       then trigger at once so the combine grid launches under the last wave); the combine
-//       reads seq_lens before its wait. Same math, same bits.
+//       reads seq_lens before its wait and folds level 1 with 4 threads per column. Same
+//       math, same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -735,7 +736,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
 // slice) of a sequence the attention kernel left in partials. All warps first stage the row's
 // partials for the slice in smem (≤ 128 × 256 B, every load in flight at once); thread gi runs
 // the canonical fold's per-row recurrence of group gi (λ → a, c, 1/L: ≤ 8 dependent steps),
-// thread 0 the one over the ≤ 16 groups; then thread c < 64 folds column c. Split mode: level 1 over each group's splits, then level 2;
+// thread 0 the one over the ≤ 16 groups; 4 threads per column fold its groups (level 1),
+// then thread c < 64 folds column c over the groups (level 2). Split mode: level 1 over each group's splits, then level 2;
 // fused mode: the partials already are group results, level 2 only. Launched with programmatic
 // dependent launch: its CTAs become resident while the attention grid drains and wait
 // (griddepcontrol.wait) for its memory, which hides the kernel-to-kernel gap.
@@ -807,21 +809,28 @@ paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
     for (int gi = 0; gi < groups; ++gi) fold_coeffs(top, g_lam[gi], g_a[gi], g_c[gi]);
     fold_result(top, top_lam, top_inv);
   }
-  __syncthreads();                              // (level 2) coefficients ready
+  // Split mode, level 1 per (column, group): thread q·64 + c folds column c of groups
+  // gi ≡ q (mod 4), ≤ 4 × 8 dependent steps, and leaves o_g in its group's first slot (only
+  // this thread reads that group's slots of column c). v1 ran both levels in one thread per
+  // column: up to 128 + 16 dependent smem-load + FMA steps (~2 µs at 128 splits). Same
+  // operations in the same order per group, so the same bits.
+  constexpr int kColThreads = kCombineWarps * 32 / kCombineCols;   // threads per column: 4
+  if (!fused) {
+    const int c = threadIdx.x % kCombineCols;
+    for (int gi = threadIdx.x / kCombineCols; gi < groups; gi += kColThreads) {
+      float acc = 0.f;
+      for (int sp = gi * kSplitGroup; sp < min(count, (gi + 1) * kSplitGroup); ++sp)
+        acc = fold_elem(acc, coef_a[sp], o_s[sp][c], coef_c[sp]);
+      o_s[gi * kSplitGroup][c] = __fmul_rn(acc, g_inv[gi]);
+    }
+  }
+  __syncthreads();                              // (level 2) coefficients and group results ready
 
   if (threadIdx.x < kCombineCols) {
     const int c = threadIdx.x;
     float acc_top = 0.f;
-    for (int gi = 0; gi < groups; ++gi) {
-      float o_g = o_s[gi][c];
-      if (!fused) {
-        float acc = 0.f;
-        for (int sp = gi * kSplitGroup; sp < min(count, (gi + 1) * kSplitGroup); ++sp)
-          acc = fold_elem(acc, coef_a[sp], o_s[sp][c], coef_c[sp]);
-        o_g = __fmul_rn(acc, g_inv[gi]);
-      }
-      acc_top = fold_elem(acc_top, g_a[gi], o_g, g_c[gi]);
-    }
+    for (int gi = 0; gi < groups; ++gi)
+      acc_top = fold_elem(acc_top, g_a[gi], o_s[fused ? gi : gi * kSplitGroup][c], g_c[gi]);
     const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
     const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
     static_cast<__nv_bfloat16*>(a.out)[orow * hd + slice * kCombineCols + c] =
