@@ -4,7 +4,6 @@ import zlib
 
 import pytest
 import torch
-from helpers import poison_
 
 from atlas import ops, reference
 
