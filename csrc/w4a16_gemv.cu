@@ -66,6 +66,7 @@ constexpr int kStages = 5;                   // cp.async pipeline depth: a CTA w
                                              // (K ≤ 512, or 2048 split 4 ways) has all in flight at once
 static_assert(kStages >= 3, "silu converts one stage ahead of the one computed");
 constexpr int kMaxWarps = 4;
+constexpr int kMaxSplits = 8;              // cluster size limit (portable)
 constexpr int kMaxDevices = 64;             // per-device launch attribute bookkeeping
 constexpr float kScaleBias = 0x1p119f;       // block scale · 2^119 fits bf16 (448·2^119 < 2^128)
 constexpr float kOutBias = 0x1p7f;           // 2^-126 (e2m1 trick) · 2^119 = 2^-7, undone on store
@@ -203,6 +204,14 @@ __device__ __forceinline__ void store_out(const W4A16GemvWeight& w, DType dt, in
 // MT: n8 tiles of x rows (M ≤ 8·MT). kVec: K % 128 == 0 and 16-byte rows (16-byte weight
 // copies, 8-byte scale copies, no K tail); else 8-byte weight copies and byte scale loads.
 // kSilu: the activation is bf16(silu(x) · up).
+//
+// v2 (instruction diet; same numerics as v1, bit for bit): v1 spent ≈ 420 warp-instructions per
+// 128-k chunk and warp (≈ 12 per weight byte, above the ≈ 8 the H200 can issue at copy
+// bandwidth), of which only ≈ 150 were the dequant: the rest was per-chunk address math
+// (generic strided copy loops: ≈ 35 instructions per cp.async, smem fragment addresses and
+// swizzles recomputed every chunk). v2 fixes every thread's copy plan once per CTA (two
+// 16-byte weight pieces, one 8-byte scale piece, pointers advanced by a constant per chunk),
+// keeps the lane's fragment offsets in registers, and walks the stage ring by byte offset.
 template <int MT, bool kVec, bool kSilu>
 __global__ void __launch_bounds__(kMaxWarps * 32)
 w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
@@ -223,28 +232,54 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int c_begin = min(split * chunks_per_split, num_chunks);
   const int c_end = min(c_begin + chunks_per_split, num_chunks);
   const StageLayout lay = stage_layout(warps, MT, kSilu);
+  const int ring_bytes = kStages * lay.bytes;           // the stage ring, walked by byte offset
   const uint64_t policy = evict_first_policy();
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(args.x);    // [M, K]
   const __nv_bfloat16* up = static_cast<const __nv_bfloat16*>(args.up);  // [M, K] (silu)
+  const uint32_t smem_base = smem_u32(smem);
 
-  // Stage `slot` ← chunk c's weights and scales (never written by the kernels before this one).
-  auto issue_weights = [&](int slot, int c) {
-    uint8_t* st = smem + slot * lay.bytes;
-    const int k0 = c * kChunkK;
+  // ---- copy plan (vector path), fixed for the CTA: the 16W rows × 4 16-byte pieces of a
+  // chunk are 2·nthreads pieces, p = tid and tid + nthreads (row p/4, piece p%4); thread
+  // tid < 16W also copies row tid's 8 scale bytes. Rows ≥ n zero-fill from a fixed address.
+  const uint8_t* w_src[2];   // [n, K/2] packed: this thread's piece of the next chunk to issue
+  int w_step[2];             // 64 bytes per chunk, 0 for rows ≥ n
+  uint32_t w_dst[2];         // smem offset inside a stage
+  const uint8_t* s_src = wt.block_scale;  // [n, K/16] e4m3: row tid's 8 bytes of the next chunk
+  int s_step = 0;
+  const bool s_issuer = tid < warps * kTileN;
+  if constexpr (kVec) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int p = tid + j * nthreads, rl = p >> 2, u = p & 3, n = row0 + rl;
+      const bool ok = n < n_rows;
+      w_src[j] = wt.packed + (ok ? static_cast<int64_t>(n) * (K / 2) + c_begin * kRowBytes + u * 16 : 0);
+      w_step[j] = ok ? kRowBytes : 0;
+      w_dst[j] = lay.w_off + rl * kRowBytes + u * 16;
+    }
+    const int n = row0 + tid;
+    if (s_issuer && n < n_rows) {
+      s_src = wt.block_scale + static_cast<int64_t>(n) * (K / 16) + c_begin * kScaleBytes;
+      s_step = kScaleBytes;
+    }
+  }
+
+  // Stage at byte offset `st_off` ← chunk c's weights and scales (never written by the kernels
+  // before this one). Vector path: chunks are issued in order, each call advances the plan.
+  auto issue_weights = [&](int st_off, int c) {
     if constexpr (kVec) {
-      for (int p = tid; p < warps * kTileN * 4; p += nthreads) {         // 16-byte pieces
-        const int rl = p >> 2, u = p & 3, n = row0 + rl;
-        const bool ok = n < n_rows;
-        const uint8_t* src = wt.packed + (ok ? static_cast<int64_t>(n) * (K / 2) + k0 / 2 + u * 16 : 0);
-        cp_async16_evict_first(st + lay.w_off + rl * kRowBytes + u * 16, src, ok ? 16 : 0, policy);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint8_t* dst = smem + st_off + w_dst[j];
+        cp_async16_evict_first(dst, w_src[j], w_step[j] ? 16 : 0, policy);
+        w_src[j] += w_step[j];
       }
-      for (int rl = tid; rl < warps * kTileN; rl += nthreads) {          // 8 scales per row
-        const int n = row0 + rl;
-        const bool ok = n < n_rows;
-        const uint8_t* src = wt.block_scale + (ok ? static_cast<int64_t>(n) * (K / 16) + k0 / 16 : 0);
-        cp_async8_evict_first(st + lay.s_off + rl * kScaleBytes, src, ok ? 8 : 0, policy);
+      if (s_issuer) {
+        cp_async8_evict_first(smem + st_off + lay.s_off + tid * kScaleBytes, s_src, s_step ? 8 : 0, policy);
+        s_src += s_step;
       }
     } else {
+      uint8_t* st = smem + st_off;
+      const int k0 = c * kChunkK;
       for (int p = tid; p < warps * kTileN * 8; p += nthreads) {         // 8-byte pieces = 16 k
         const int rl = p >> 3, u = p & 7, n = row0 + rl, kk = k0 + 16 * u;
         const bool ok = n < n_rows && kk < K;
@@ -260,13 +295,15 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
 
-  // Stage `slot` ← chunk c's activations (raw gate/up for silu): the previous kernel's output.
-  auto issue_acts = [&](int slot, int c) {
-    uint8_t* st = smem + slot * lay.bytes;
+  // Stage at `st_off` ← chunk c's activations (raw gate/up for silu): the previous kernel's
+  // output. M·16 units of 8 bf16 (M = 1: threads 0..15, one copy each).
+  auto issue_acts = [&](int st_off, int c) {
+    uint8_t* st = smem + st_off;
     const int k0 = c * kChunkK;
-    for (int p = tid; p < M * kXUnits; p += nthreads) {                 // 8 bf16 per unit
-      const int r = p / kXUnits, u = p % kXUnits, kk = k0 + 8 * u;
-      const bool ok = kk < K;
+    for (int p = tid; p < M * kXUnits; p += nthreads) {
+      const int r = p >> 4, u = p & (kXUnits - 1), kk = k0 + 8 * u;
+      static_assert(kXUnits == 16, "p >> 4 is p / kXUnits");
+      const bool ok = kVec || kk < K;
       const int64_t src = ok ? static_cast<int64_t>(r) * K + kk : 0;
       if constexpr (kSilu) {
         cp_async16(st + lay.g_off + r * kXRowBytes + u * 16, x + src, ok ? 16 : 0);
@@ -277,11 +314,11 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
 
-  // silu: stage `slot`'s raw gate/up (landed, after a barrier) → swizzled bf16 activations.
-  auto convert_stage = [&](int slot) {
-    uint8_t* st = smem + slot * lay.bytes;
+  // silu: the stage's raw gate/up (landed, after a barrier) → swizzled bf16 activations.
+  auto convert_stage = [&](int st_off) {
+    uint8_t* st = smem + st_off;
     for (int p = tid; p < M * kXUnits; p += nthreads) {
-      const int r = p / kXUnits, u = p % kXUnits;
+      const int r = p >> 4, u = p & (kXUnits - 1);
       const uint4 gv = *reinterpret_cast<const uint4*>(st + lay.g_off + r * kXRowBytes + u * 16);
       const uint4 uv = *reinterpret_cast<const uint4*>(st + lay.u_off + r * kXRowBytes + u * 16);
       uint4 a;
@@ -298,15 +335,22 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   const bool warp_has_rows = row0 + warp * kTileN < n_rows;
 
+  // The lane's fragment offsets inside a stage, fixed for the CTA: weight row g (row g + 8 is
+  // 8 rows further), its two scale bytes, and activation row g's unit of word w (the swizzle
+  // depends on the row's parity only, so tile mt adds 8·mt rows to the same offsets).
+  const int lane_w = lay.w_off + (warp * kTileN + g) * kRowBytes + t * 16;
+  const int lane_s = lay.s_off + (warp * kTileN + g) * kScaleBytes + 2 * t;
+  int lane_x[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) lane_x[w] = lay.x_off + g * kXRowBytes + x_slot(g, 4 * t + w) * 16;
+
   // One chunk on the tensor cores: 4 words × 2 mma steps × MT tiles.
-  auto compute_stage = [&](int slot) {
-    const uint8_t* st = smem + slot * lay.bytes;
-    const uint8_t* sw = st + lay.w_off + warp * kTileN * kRowBytes;
-    const uint8_t* ss = st + lay.s_off + warp * kTileN * kScaleBytes;
-    const uint4 qa = *reinterpret_cast<const uint4*>(sw + g * kRowBytes + t * 16);        // row g
-    const uint4 qb = *reinterpret_cast<const uint4*>(sw + (g + 8) * kRowBytes + t * 16);  // row g+8
-    const __nv_bfloat162 fa = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(ss + g * kScaleBytes + 2 * t));
-    const __nv_bfloat162 fb = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(ss + (g + 8) * kScaleBytes + 2 * t));
+  auto compute_stage = [&](int st_off) {
+    const uint8_t* st = smem + st_off;
+    const uint4 qa = *reinterpret_cast<const uint4*>(st + lane_w);                        // row g
+    const uint4 qb = *reinterpret_cast<const uint4*>(st + lane_w + 8 * kRowBytes);        // row g+8
+    const __nv_bfloat162 fa = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(st + lane_s));
+    const __nv_bfloat162 fb = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(st + lane_s + 8 * kScaleBytes));
     const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
     for (int w = 0; w < 4; ++w) {            // word w: k = 32t + 8w .. +8, block 2t + w/2
@@ -315,9 +359,8 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
       dequant_word(wb[w], w < 2 ? __low2bfloat162(fb) : __high2bfloat162(fb), rb);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const int r = mt * 8 + g;            // x row of this lane's B column
         uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-        if (r < M) xv = *reinterpret_cast<const uint4*>(st + lay.x_off + r * kXRowBytes + x_slot(r, 4 * t + w) * 16);
+        if (mt * 8 + g < M) xv = *reinterpret_cast<const uint4*>(st + lane_x[w] + mt * 8 * kXRowBytes);
         // h = 0: k (8w, 8w+4) and (8w+1, 8w+5); h = 1: (8w+2, 8w+6) and (8w+3, 8w+7)
         mma_bf16_16816(acc[mt], ra[0], rb[0], ra[1], rb[1], prmt(xv.x, xv.z, 0x5410), prmt(xv.x, xv.z, 0x7632));
         mma_bf16_16816(acc[mt], ra[2], rb[2], ra[3], rb[3], prmt(xv.y, xv.w, 0x5410), prmt(xv.y, xv.w, 0x7632));
@@ -330,12 +373,12 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   // Group 0 holds all prologue weights and chunk 0's activations, group p chunk p's.
 #pragma unroll
   for (int p = 0; p < kStages - 1; ++p) {
-    if (c_begin + p < c_end) issue_weights(p, c_begin + p);
+    if (c_begin + p < c_end) issue_weights(p * lay.bytes, c_begin + p);
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x / gate / up and out are now safe
 #pragma unroll
   for (int p = 0; p < kStages - 1; ++p) {
-    if (c_begin + p < c_end) issue_acts(p, c_begin + p);
+    if (c_begin + p < c_end) issue_acts(p * lay.bytes, c_begin + p);
     cp_async_commit();
   }
   if constexpr (kSilu) {
@@ -345,22 +388,24 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
       convert_stage(0);
     }
   }
-  int slot = 0;                                  // stage slot of chunk c
+  int cur = 0;                                   // stage offset of chunk c
+  int fill = (kStages - 1) * lay.bytes;          // stage offset of chunk c − 1 (refilled at c)
   for (int c = c_begin; c < c_end; ++c) {
-    const int prev = slot == 0 ? kStages - 1 : slot - 1, next = slot == kStages - 1 ? 0 : slot + 1;
+    const int next = cur + lay.bytes == ring_bytes ? 0 : cur + lay.bytes;
     // plain: chunk c landed; silu: chunk c + 1 landed too (it is converted below)
     if constexpr (kSilu) cp_async_wait<kStages - 3>(); else cp_async_wait<kStages - 2>();
-    __syncthreads();  // chunk c visible to all; every warp is done with chunk c − 1's slot
-    if (c + kStages - 1 < c_end) {                 // into chunk c − 1's slot
-      issue_weights(prev, c + kStages - 1);
-      issue_acts(prev, c + kStages - 1);
+    __syncthreads();  // chunk c visible to all; every warp is done with chunk c − 1's stage
+    if (c + kStages - 1 < c_end) {                 // into chunk c − 1's stage
+      issue_weights(fill, c + kStages - 1);
+      issue_acts(fill, c + kStages - 1);
     }
     cp_async_commit();
     if constexpr (kSilu) {
       if (c + 1 < c_end) convert_stage(next);
     }
-    if (warp_has_rows) compute_stage(slot);
-    slot = next;
+    if (warp_has_rows) compute_stage(cur);
+    fill = cur;
+    cur = next;
   }
   // The next kernel may start launching (it waits for this whole grid before reading y).
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -381,7 +426,8 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     return;
   }
   // split-K: partials [16W rows][8MT cols] f32 in shared memory, summed over the cluster in
-  // rank order 0..S−1 (deterministic), each rank storing every S-th element.
+  // rank order 0..S−1 (deterministic), each rank storing every S-th element. The S remote
+  // loads of an element are issued together (unrolled), the sum stays in rank order.
   cp_async_wait<0>();
   __syncthreads();  // all warps are done with the stage buffers
   constexpr int kCols = MT * 8;
@@ -398,8 +444,14 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   for (int e = split * nthreads + tid; e < warps * kTileN * M; e += splits * nthreads) {
     const int rl = e / M, m = e % M, n = row0 + rl;
     if (n >= n_rows) continue;
+    float v[kMaxSplits];
+#pragma unroll
+    for (int r = 0; r < kMaxSplits; ++r) v[r] = r < splits ? cluster.map_shared_rank(part, r)[rl * kCols + m] : 0.0f;
     float s = 0.0f;
-    for (int r = 0; r < splits; ++r) s += cluster.map_shared_rank(part, r)[rl * kCols + m];
+#pragma unroll
+    for (int r = 0; r < kMaxSplits; ++r) {
+      if (r < splits) s += v[r];
+    }
     store_out(wt, args.out_dtype, m, n, s * factor);
   }
   cluster.sync();  // keep this CTA's partials alive until every rank has read them
@@ -471,7 +523,7 @@ int w4a16_gemv_k_splits(int k) {
   // the streaming; at most 8 (portable cluster size). K = 2048 → 4, K ≥ 4096 → 8, K ≤ 1024 → 1..2.
   const int chunks = (k + kChunkK - 1) / kChunkK;
   int s = 1;
-  while (s < 8 && 2 * s * 4 <= chunks) s *= 2;
+  while (s < kMaxSplits && 2 * s * 4 <= chunks) s *= 2;
   return s;
 }
 
