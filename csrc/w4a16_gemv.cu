@@ -111,21 +111,22 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   return policy;
 }
 
-// 16-byte async copy; src_bytes = 0 zero-fills without reading.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+// 16-byte async copy to shared address `dst` (a 32-bit shared-window address: no generic →
+// shared conversion per copy); src_bytes = 0 zero-fills without reading.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"(smem_u32(dst)), "l"(src), "r"(src_bytes));
+               :: "r"(dst), "l"(src), "r"(src_bytes));
 }
-__device__ __forceinline__ void cp_async16_evict_first(void* dst, const void* src, int src_bytes,
+__device__ __forceinline__ void cp_async16_evict_first(uint32_t dst, const void* src, int src_bytes,
                                                        uint64_t policy) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
-               :: "r"(smem_u32(dst)), "l"(src), "r"(src_bytes), "l"(policy));
+               :: "r"(dst), "l"(src), "r"(src_bytes), "l"(policy));
 }
 // 8-byte async copies (.ca: .cg only moves 16 bytes).
-__device__ __forceinline__ void cp_async8_evict_first(void* dst, const void* src, int src_bytes,
+__device__ __forceinline__ void cp_async8_evict_first(uint32_t dst, const void* src, int src_bytes,
                                                       uint64_t policy) {
   asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2, %3;\n"
-               :: "r"(smem_u32(dst)), "l"(src), "r"(src_bytes), "l"(policy));
+               :: "r"(dst), "l"(src), "r"(src_bytes), "l"(policy));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -269,12 +270,11 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     if constexpr (kVec) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        uint8_t* dst = smem + st_off + w_dst[j];
-        cp_async16_evict_first(dst, w_src[j], w_step[j] ? 16 : 0, policy);
+        cp_async16_evict_first(smem_base + st_off + w_dst[j], w_src[j], w_step[j] ? 16 : 0, policy);
         w_src[j] += w_step[j];
       }
       if (s_issuer) {
-        cp_async8_evict_first(smem + st_off + lay.s_off + tid * kScaleBytes, s_src, s_step ? 8 : 0, policy);
+        cp_async8_evict_first(smem_base + st_off + lay.s_off + tid * kScaleBytes, s_src, s_step ? 8 : 0, policy);
         s_src += s_step;
       }
     } else {
@@ -284,7 +284,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
         const int rl = p >> 3, u = p & 7, n = row0 + rl, kk = k0 + 16 * u;
         const bool ok = n < n_rows && kk < K;
         const uint8_t* src = wt.packed + (ok ? static_cast<int64_t>(n) * (K / 2) + kk / 2 : 0);
-        cp_async8_evict_first(st + lay.w_off + rl * kRowBytes + u * 8, src, ok ? 8 : 0, policy);
+        cp_async8_evict_first(smem_base + st_off + lay.w_off + rl * kRowBytes + u * 8, src, ok ? 8 : 0, policy);
       }
       for (int p = tid; p < warps * kTileN * 8; p += nthreads) {         // scale bytes, synchronous
         const int rl = p >> 3, j = p & 7, n = row0 + rl, kk = k0 + 16 * j;
@@ -298,7 +298,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   // Stage at `st_off` ← chunk c's activations (raw gate/up for silu): the previous kernel's
   // output. M·16 units of 8 bf16 (M = 1: threads 0..15, one copy each).
   auto issue_acts = [&](int st_off, int c) {
-    uint8_t* st = smem + st_off;
+    const uint32_t st = smem_base + st_off;
     const int k0 = c * kChunkK;
     for (int p = tid; p < M * kXUnits; p += nthreads) {
       const int r = p >> 4, u = p & (kXUnits - 1), kk = k0 + 8 * u;
