@@ -296,21 +296,32 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   };
 
   // Stage at `st_off` ← chunk c's activations (raw gate/up for silu): the previous kernel's
-  // output. M·16 units of 8 bf16 (M = 1: threads 0..15, one copy each).
+  // output, M rows × 16 units of 8 bf16 per chunk. Thread tid copies unit x_u = tid % 16 of
+  // rows x_r0 = tid / 16, x_r0 + nthreads/16, … (M = 1: threads 0..15, one copy each); the row
+  // step is even, so every row of the thread has x_r0's swizzle parity and the destinations
+  // differ by a constant.
+  static_assert(kXUnits == 16, "tid >> 4 is tid / kXUnits");
+  const int x_u = tid & (kXUnits - 1), x_r0 = tid >> 4, x_rstep = nthreads >> 4;
+  const int x_dst0 = kSilu ? lay.g_off + x_r0 * kXRowBytes + x_u * 16
+                           : lay.x_off + x_r0 * kXRowBytes + x_slot(x_r0, x_u) * 16;
+  const int64_t x_src_step = static_cast<int64_t>(x_rstep) * K;                 // elements
   auto issue_acts = [&](int st_off, int c) {
-    const uint32_t st = smem_base + st_off;
-    const int k0 = c * kChunkK;
-    for (int p = tid; p < M * kXUnits; p += nthreads) {
-      const int r = p >> 4, u = p & (kXUnits - 1), kk = k0 + 8 * u;
-      static_assert(kXUnits == 16, "p >> 4 is p / kXUnits");
-      const bool ok = kVec || kk < K;
-      const int64_t src = ok ? static_cast<int64_t>(r) * K + kk : 0;
+    const int kk = c * kChunkK + 8 * x_u;
+    const bool ok = kVec || kk < K;
+    const int64_t src0 = ok ? static_cast<int64_t>(x_r0) * K + kk : 0;
+    const __nv_bfloat16* xs = x + src0;
+    const __nv_bfloat16* us = up + src0;   // silu only
+    uint32_t dst = smem_base + st_off + x_dst0;
+    for (int r = x_r0; r < M; r += x_rstep) {
       if constexpr (kSilu) {
-        cp_async16(st + lay.g_off + r * kXRowBytes + u * 16, x + src, ok ? 16 : 0);
-        cp_async16(st + lay.u_off + r * kXRowBytes + u * 16, up + src, ok ? 16 : 0);
+        cp_async16(dst, xs, ok ? 16 : 0);
+        cp_async16(dst + (lay.u_off - lay.g_off), us, ok ? 16 : 0);
+        us += ok ? x_src_step : 0;
       } else {
-        cp_async16(st + lay.x_off + r * kXRowBytes + x_slot(r, u) * 16, x + src, ok ? 16 : 0);
+        cp_async16(dst, xs, ok ? 16 : 0);
       }
+      xs += ok ? x_src_step : 0;
+      dst += x_rstep * kXRowBytes;
     }
   };
 
