@@ -64,7 +64,7 @@ constexpr int kXRowBytes = kChunkK * 2;      // 256 activation bytes per row per
 constexpr int kXUnits = kXRowBytes / 16;     // 16 units of 8 bf16 per activation row
 constexpr int kStages = 5;                   // cp.async pipeline depth: a CTA with ≤ 4 chunks
                                              // (K ≤ 512, or 2048 split 4 ways) has all in flight at once
-static_assert(kStages >= 3, "silu converts one stage ahead of the one computed");
+static_assert(kStages >= 3, "activations are converted one stage ahead of the one computed");
 constexpr int kMaxWarps = 4;
 constexpr int kMaxSplits = 8;              // cluster size limit (portable)
 constexpr int kMaxDevices = 64;             // per-device launch attribute bookkeeping
@@ -325,19 +325,29 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
 
-  // silu: the stage's raw gate/up (landed, after a barrier) → swizzled bf16 activations.
+  // The stage's activations (landed: this thread's own copies, after cp.async.wait) → B
+  // fragment order, one stage ahead of the compute: each thread converts the units it copied.
+  // Plain: in place, unit (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7) (the prmt pairs of the K
+  // permutation, done once per CTA instead of once per warp and tile). silu: bf16(silu(g)·u)
+  // from the raw gate/up, then the same permutation, into the swizzled x unit.
   auto convert_stage = [&](int st_off) {
     uint8_t* st = smem + st_off;
-    for (int p = tid; p < M * kXUnits; p += nthreads) {
-      const int r = p >> 4, u = p & (kXUnits - 1);
-      const uint4 gv = *reinterpret_cast<const uint4*>(st + lay.g_off + r * kXRowBytes + u * 16);
-      const uint4 uv = *reinterpret_cast<const uint4*>(st + lay.u_off + r * kXRowBytes + u * 16);
+    for (int r = x_r0, off = x_dst0; r < M; r += x_rstep, off += x_rstep * kXRowBytes) {
       uint4 a;
-      a.x = silu_mul_bf16x2(gv.x, uv.x);
-      a.y = silu_mul_bf16x2(gv.y, uv.y);
-      a.z = silu_mul_bf16x2(gv.z, uv.z);
-      a.w = silu_mul_bf16x2(gv.w, uv.w);
-      *reinterpret_cast<uint4*>(st + lay.x_off + r * kXRowBytes + x_slot(r, u) * 16) = a;
+      if constexpr (kSilu) {
+        const uint4 gv = *reinterpret_cast<const uint4*>(st + off);
+        const uint4 uv = *reinterpret_cast<const uint4*>(st + off + (lay.u_off - lay.g_off));
+        a.x = silu_mul_bf16x2(gv.x, uv.x);
+        a.y = silu_mul_bf16x2(gv.y, uv.y);
+        a.z = silu_mul_bf16x2(gv.z, uv.z);
+        a.w = silu_mul_bf16x2(gv.w, uv.w);
+      } else {
+        a = *reinterpret_cast<const uint4*>(st + off);
+      }
+      const uint4 b = make_uint4(prmt(a.x, a.z, 0x5410), prmt(a.x, a.z, 0x7632),
+                                 prmt(a.y, a.w, 0x5410), prmt(a.y, a.w, 0x7632));
+      const int dst = kSilu ? lay.x_off + r * kXRowBytes + x_slot(r, x_u) * 16 : off;
+      *reinterpret_cast<uint4*>(st + dst) = b;
     }
   };
 
@@ -370,11 +380,12 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
       dequant_word(wb[w], w < 2 ? __low2bfloat162(fb) : __high2bfloat162(fb), rb);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-        if (mt * 8 + g < M) xv = *reinterpret_cast<const uint4*>(st + lane_x[w] + mt * 8 * kXRowBytes);
+        // Activation rows ≥ M are never written (stale shared memory): they only feed output
+        // columns ≥ M, which are never stored (mma columns are independent dot products).
+        const uint4 xv = *reinterpret_cast<const uint4*>(st + lane_x[w] + mt * 8 * kXRowBytes);
         // h = 0: k (8w, 8w+4) and (8w+1, 8w+5); h = 1: (8w+2, 8w+6) and (8w+3, 8w+7)
-        mma_bf16_16816(acc[mt], ra[0], rb[0], ra[1], rb[1], prmt(xv.x, xv.z, 0x5410), prmt(xv.x, xv.z, 0x7632));
-        mma_bf16_16816(acc[mt], ra[2], rb[2], ra[3], rb[3], prmt(xv.y, xv.w, 0x5410), prmt(xv.y, xv.w, 0x7632));
+        mma_bf16_16816(acc[mt], ra[0], rb[0], ra[1], rb[1], xv.x, xv.y);
+        mma_bf16_16816(acc[mt], ra[2], rb[2], ra[3], rb[3], xv.z, xv.w);
       }
     }
   };
@@ -392,28 +403,23 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     if (c_begin + p < c_end) issue_acts(p * lay.bytes, c_begin + p);
     cp_async_commit();
   }
-  if constexpr (kSilu) {
-    if (c_begin < c_end) {
-      cp_async_wait<kStages - 2>();
-      __syncthreads();
-      convert_stage(0);
-    }
+  if (c_begin < c_end) {
+    cp_async_wait<kStages - 2>();   // chunk c_begin's copies (this thread's) landed
+    convert_stage(0);
   }
   int cur = 0;                                   // stage offset of chunk c
   int fill = (kStages - 1) * lay.bytes;          // stage offset of chunk c − 1 (refilled at c)
   for (int c = c_begin; c < c_end; ++c) {
     const int next = cur + lay.bytes == ring_bytes ? 0 : cur + lay.bytes;
-    // plain: chunk c landed; silu: chunk c + 1 landed too (it is converted below)
-    if constexpr (kSilu) cp_async_wait<kStages - 3>(); else cp_async_wait<kStages - 2>();
+    // chunk c + 1 landed too (this thread's copies; it is converted below)
+    cp_async_wait<kStages - 3>();
     __syncthreads();  // chunk c visible to all; every warp is done with chunk c − 1's stage
     if (c + kStages - 1 < c_end) {                 // into chunk c − 1's stage
       issue_weights(fill, c + kStages - 1);
       issue_acts(fill, c + kStages - 1);
     }
     cp_async_commit();
-    if constexpr (kSilu) {
-      if (c + 1 < c_end) convert_stage(next);
-    }
+    if (c + 1 < c_end) convert_stage(next);
     if (warp_has_rows) compute_stage(cur);
     fill = cur;
     cur = next;
