@@ -92,6 +92,19 @@ __host__ __device__ inline StageLayout stage_layout(int warps, int mt, bool silu
   return l;
 }
 
+// How the K segments of one row group are spread over the CTAs of a launch. The segments are
+// fixed by K alone (w4a16_gemv_k_splits(K) of them, seg_chunks chunks each, the last ones
+// possibly short or empty), and a row's result is always 0 + p_0 + p_1 + … + p_{S−1} over its
+// segment partials p_j in order (f32), so the split below may depend on N: every choice is
+// bitwise the same. splits == 1: one CTA walks all segments, keeping the running sum;
+// splits > 1: a cluster of `splits` CTAs, each with segs_per_cta (1 or 2) consecutive
+// segments, summed through distributed shared memory in segment order.
+struct SplitPlan {
+  int seg_chunks;     // 128-k chunks per segment
+  int segs_per_cta;   // segments one CTA computes (num_segs when splits == 1)
+  int num_segs;       // w4a16_gemv_k_splits(K)
+};
+
 // Activation unit u = 4t + w of row r (k = 8u .. 8u+8 of the chunk) lives at this 16-byte slot.
 // A quarter-warp (rows g, g+1; t = 0..3) reading word w then hits 8 distinct 4-bank groups.
 __host__ __device__ inline int x_slot(int r, int u) {
@@ -217,7 +230,7 @@ template <int MT, bool kVec, bool kSilu>
 __global__ void __launch_bounds__(kMaxWarps * 32)
 w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
                   int groups0,            // row groups of weight 0 (the rest belong to weight 1)
-                  int chunks_per_split) { // 128-k chunks summed by one CTA
+                  SplitPlan plan) {       // segments of K over the CTAs (blockIdx.x)
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = threadIdx.x, nthreads = blockDim.x;
   const int warps = nthreads / 32, warp = tid / 32, lane = tid % 32;
@@ -230,8 +243,9 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int K = args.k, M = args.m, n_rows = wt.n;
   const int row0 = group * warps * kTileN;              // first weight row of this CTA
   const int num_chunks = (K + kChunkK - 1) / kChunkK;
-  const int c_begin = min(split * chunks_per_split, num_chunks);
-  const int c_end = min(c_begin + chunks_per_split, num_chunks);
+  const int chunks_per_cta = plan.seg_chunks * plan.segs_per_cta;
+  const int c_begin = min(split * chunks_per_cta, num_chunks);
+  const int c_end = min(c_begin + chunks_per_cta, num_chunks);
   const StageLayout lay = stage_layout(warps, MT, kSilu);
   const int ring_bytes = kStages * lay.bytes;           // the stage ring, walked by byte offset
   const uint64_t policy = evict_first_policy();
@@ -351,9 +365,28 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
 
-  float acc[MT][4];
+  float acc[MT][4];   // the current segment's partial
+  float done[MT][4];  // splits == 1: 0 + the finished segments' partials, in order; splits > 1
+                      // with 2 segments per CTA: the first one's partial
 #pragma unroll
-  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = done[i][e] = 0.0f;
+  }
+  int segs_finished = 0;
+  auto finish_segment = [&]() {
+    if (splits == 1 || (plan.segs_per_cta == 2 && segs_finished == 0)) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          done[i][e] = splits == 1 ? done[i][e] + acc[i][e] : acc[i][e];
+          acc[i][e] = 0.0f;
+        }
+      }
+    }
+    ++segs_finished;
+  };
   const bool warp_has_rows = row0 + warp * kTileN < n_rows;
 
   // The lane's fragment offsets inside a stage, fixed for the CTA: weight row g (row g + 8 is
@@ -409,6 +442,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   }
   int cur = 0;                                   // stage offset of chunk c
   int fill = (kStages - 1) * lay.bytes;          // stage offset of chunk c − 1 (refilled at c)
+  int seg_left = plan.seg_chunks;                // chunks left in the current segment
   for (int c = c_begin; c < c_end; ++c) {
     const int next = cur + lay.bytes == ring_bytes ? 0 : cur + lay.bytes;
     // chunk c + 1 landed too (this thread's copies; it is converted below)
@@ -421,6 +455,10 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     cp_async_commit();
     if (c + 1 < c_end) convert_stage(next);
     if (warp_has_rows) compute_stage(cur);
+    if (--seg_left == 0 || c + 1 == c_end) {
+      finish_segment();
+      seg_left = plan.seg_chunks;
+    }
     fill = cur;
     cur = next;
   }
@@ -432,28 +470,38 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int row_base = row0 + warp * kTileN;
   if (splits == 1) {
     if (!warp_has_rows) return;
+    // Empty trailing segments (K short of the last ones) add +0 in the cluster order too.
+    const bool empty_tail = segs_finished < plan.num_segs;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int m = mt * 8 + 2 * t + (e & 1), n = row_base + g + 8 * (e >> 1);
-        if (m < M && n < n_rows) store_out(wt, args.out_dtype, m, n, acc[mt][e] * factor);
+        const float v = empty_tail ? done[mt][e] + 0.0f : done[mt][e];
+        if (m < M && n < n_rows) store_out(wt, args.out_dtype, m, n, v * factor);
       }
     }
     return;
   }
-  // split-K: partials [16W rows][8MT cols] f32 in shared memory, summed over the cluster in
-  // rank order 0..S−1 (deterministic), each rank storing every S-th element. The S remote
-  // loads of an element are issued together (unrolled), the sum stays in rank order.
+  // split-K: partials [segs_per_cta][16W rows][8MT cols] f32 in shared memory, summed over the
+  // cluster in segment order (rank 0's, then rank 1's, …: deterministic), each rank storing
+  // every S-th element. The remote loads of an element are issued together (unrolled).
   cp_async_wait<0>();
   __syncthreads();  // all warps are done with the stage buffers
   constexpr int kCols = MT * 8;
+  const int part_stride = warps * kTileN * kCols;  // floats per segment
   float* part = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      part[(warp * kTileN + g + 8 * (e >> 1)) * kCols + mt * 8 + 2 * t + (e & 1)] = acc[mt][e];
+      const int idx = (warp * kTileN + g + 8 * (e >> 1)) * kCols + mt * 8 + 2 * t + (e & 1);
+      if (plan.segs_per_cta == 2) {
+        part[idx] = done[mt][e];
+        part[part_stride + idx] = acc[mt][e];
+      } else {
+        part[idx] = acc[mt][e];
+      }
     }
   }
   cg::cluster_group cluster = cg::this_cluster();
@@ -461,13 +509,20 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   for (int e = split * nthreads + tid; e < warps * kTileN * M; e += splits * nthreads) {
     const int rl = e / M, m = e % M, n = row0 + rl;
     if (n >= n_rows) continue;
-    float v[kMaxSplits];
+    float v[kMaxSplits][2];
 #pragma unroll
-    for (int r = 0; r < kMaxSplits; ++r) v[r] = r < splits ? cluster.map_shared_rank(part, r)[rl * kCols + m] : 0.0f;
+    for (int r = 0; r < kMaxSplits; ++r) {
+      const float* pr = r < splits ? cluster.map_shared_rank(part, r) + rl * kCols + m : nullptr;
+      v[r][0] = pr ? pr[0] : 0.0f;
+      v[r][1] = pr && plan.segs_per_cta == 2 ? pr[part_stride] : 0.0f;
+    }
     float s = 0.0f;
 #pragma unroll
     for (int r = 0; r < kMaxSplits; ++r) {
-      if (r < splits) s += v[r];
+      if (r < splits) {
+        s += v[r][0];
+        if (plan.segs_per_cta == 2) s += v[r][1];
+      }
     }
     store_out(wt, args.out_dtype, m, n, s * factor);
   }
@@ -476,10 +531,11 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
 
 template <int MT, bool kVec, bool kSilu>
 cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0,
-                            int chunks_per_split, cudaStream_t stream) {
+                            SplitPlan plan, cudaStream_t stream) {
   auto kernel = w4a16_gemv_kernel<MT, kVec, kSilu>;
   const StageLayout lay = stage_layout(warps, MT, kSilu);
-  const int part_bytes = warps * kTileN * MT * 8 * static_cast<int>(sizeof(float));
+  const int part_bytes = (grid.x > 1 ? plan.segs_per_cta : 0) * warps * kTileN * MT * 8 *
+                         static_cast<int>(sizeof(float));
   const int smem = std::max(kStages * lay.bytes, part_bytes);
   // Opt in above the default 48 KB once per device and instance (the first call is normally
   // eager; later calls, e.g. under graph capture, make no attribute call).
@@ -512,23 +568,23 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
   attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = num_attrs + 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, a, groups0, chunks_per_split) == cudaSuccess) return cudaSuccess;
+  if (cudaLaunchKernelEx(&cfg, kernel, a, groups0, plan) == cudaSuccess) return cudaSuccess;
   (void)cudaGetLastError();           // clear the refusal
   cfg.numAttrs = num_attrs;
-  ATLAS_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a, groups0, chunks_per_split));
+  ATLAS_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a, groups0, plan));
   return last_launch_error();
 }
 
 template <int MT>
 cudaError_t launch_mt(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, int groups0,
-                      int chunks_per_split, cudaStream_t stream) {
+                      SplitPlan plan, cudaStream_t stream) {
   const bool silu = a.up != nullptr;
   if (vec) {
-    return silu ? launch_instance<MT, true, true>(a, grid, warps, groups0, chunks_per_split, stream)
-                : launch_instance<MT, true, false>(a, grid, warps, groups0, chunks_per_split, stream);
+    return silu ? launch_instance<MT, true, true>(a, grid, warps, groups0, plan, stream)
+                : launch_instance<MT, true, false>(a, grid, warps, groups0, plan, stream);
   }
-  return silu ? launch_instance<MT, false, true>(a, grid, warps, groups0, chunks_per_split, stream)
-              : launch_instance<MT, false, false>(a, grid, warps, groups0, chunks_per_split, stream);
+  return silu ? launch_instance<MT, false, true>(a, grid, warps, groups0, plan, stream)
+              : launch_instance<MT, false, false>(a, grid, warps, groups0, plan, stream);
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -560,12 +616,15 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     if (!aligned(w.packed, 8)) return cudaErrorMisalignedAddress;
     vec = vec && aligned(w.packed, 16) && aligned(w.block_scale, 8);
   }
-  const int splits = w4a16_gemv_k_splits(a.k);
+  const int segs = w4a16_gemv_k_splits(a.k);
   const int chunks = (a.k + kChunkK - 1) / kChunkK;
-  const int chunks_per_split = (chunks + splits - 1) / splits;
+  const int seg_chunks = (chunks + segs - 1) / segs;
 
-  // Warps (16-row tiles) per CTA: 4 unless that leaves fewer than 2 CTAs per SM (132 SMs on
-  // the H200); numerics do not depend on it. Small N (one expert, 512 rows) gets 1-warp CTAs.
+  // Splits and warps (16-row tiles) per CTA; numerics depend on neither (SplitPlan). Splits:
+  // the fewest of 1 (no cluster: one CTA streams all of K, its setup amortized over up to 40
+  // chunks at K = 5120, where v1's 8-way clusters gave each CTA 5), segs / 2 or segs that
+  // still gives ≥ 3 four-warp CTAs per SM (132 SMs on the H200). Warps: 4 unless that leaves
+  // fewer than 2 CTAs per SM; small N (one expert, 512 rows) gets 1-warp CTAs.
   static int sm_count[kMaxDevices] = {};
   int dev = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
@@ -575,18 +634,24 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   }
   int tiles = 0;
   for (int i = 0; i < a.num_weights; ++i) tiles += ceil_div(a.w[i].n, kTileN);
+  const int sms = sm_count[dev];
+  int splits = segs;
+  for (const int s : {1, segs / 2}) {
+    if (s >= 1 && s < splits && ceil_div(tiles, kMaxWarps) * s >= 3 * sms) { splits = s; break; }
+  }
   int warps = kMaxWarps;
-  while (warps > 1 && ceil_div(tiles, warps) * splits < 2 * sm_count[dev]) warps /= 2;
+  while (warps > 1 && ceil_div(tiles, warps) * splits < 2 * sms) warps /= 2;
+  const SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};
   const int groups0 = ceil_div(a.w[0].n, warps * kTileN);
   const int groups = groups0 + (a.num_weights == 2 ? ceil_div(a.w[1].n, warps * kTileN) : 0);
   if (groups > 65535) return cudaErrorInvalidValue;
   const dim3 grid(splits, groups);
 
   switch (ceil_div(a.m, 8)) {
-    case 1: return launch_mt<1>(a, vec, grid, warps, groups0, chunks_per_split, stream);
-    case 2: return launch_mt<2>(a, vec, grid, warps, groups0, chunks_per_split, stream);
-    case 3: return launch_mt<3>(a, vec, grid, warps, groups0, chunks_per_split, stream);
-    default: return launch_mt<4>(a, vec, grid, warps, groups0, chunks_per_split, stream);
+    case 1: return launch_mt<1>(a, vec, grid, warps, groups0, plan, stream);
+    case 2: return launch_mt<2>(a, vec, grid, warps, groups0, plan, stream);
+    case 3: return launch_mt<3>(a, vec, grid, warps, groups0, plan, stream);
+    default: return launch_mt<4>(a, vec, grid, warps, groups0, plan, stream);
   }
 }
 
