@@ -324,7 +324,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     const bool ok = kVec || kk < K;
     const int64_t src0 = ok ? static_cast<int64_t>(x_r0) * K + kk : 0;
     const __nv_bfloat16* xs = x + src0;
-    const __nv_bfloat16* us = up + src0;   // silu only
+    const __nv_bfloat16* us = kSilu ? up + src0 : nullptr;
     uint32_t dst = smem_base + st_off + x_dst0;
     for (int r = x_r0; r < M; r += x_rstep) {
       if constexpr (kSilu) {
