@@ -4,16 +4,21 @@
 // Decomposition (one tensor-core kernel for every M; swap-AB: Y^T = W · X^T)
 //   mma.sync.m16n8k16 bf16 → f32 with the WEIGHT as the A operand (16 rows n × 16 k) and the
 //   activations as B (16 k × 8 rows of x): M ≤ 32 is 1..4 n8 tiles (template MT = ceil(M/8)).
-//   grid  (S, groups): blockIdx.x = split of K (cluster rank; S = w4a16_gemv_k_splits(K) ≤ 8,
-//         a function of K only), blockIdx.y = a group of 16·W weight rows (dual: the groups of
-//         weight 0, then those of weight 1).
+//   grid  (S, groups): blockIdx.x = split of K (cluster rank when S > 1), blockIdx.y = a group
+//         of 16·W weight rows (dual: the groups of weight 0, then those of weight 1).
+//   K segments: K is cut into w4a16_gemv_k_splits(K) ≤ 8 segments (a function of K only); a
+//         row's result is 0 + p_0 + p_1 + … in segment order (f32), p_j its segment partials.
+//         S (per launch, from N) is 1 (one CTA walks every segment, keeping the running sum:
+//         large N, e.g. LM heads), segs/2 (2 segments per CTA) or segs (1 per CTA), the fewest
+//         giving ≥ 3 four-warp CTAs per SM. Every S gives the same bits (SplitPlan).
 //   block W warps (W = 1, 2 or 4, picked from N so ≥ 2 CTAs per SM exist); warp w owns the
 //         16-row tile (group·W + w) and all M columns, over the CTA's contiguous K range.
 //   lane  (g = lane/4, t = lane%4) holds rows g and g+8 of its tile; per 128-k chunk it owns the
 //         32 contiguous k [32t, 32t+32) of each row: one 16-byte smem load per row.
 //   K permutation: inside a chunk, mma step (w, h) (w = word 0..3, h = 0..1) feeds logical k
 //         pair (2t, 2t+1) with physical k (8w+2h, 8w+2h+4) + 32t and pair (2t+8, 2t+9) with
-//         (8w+2h+1, 8w+2h+5) + 32t; the B fragment is built (prmt) with the same permutation.
+//         (8w+2h+1, 8w+2h+5) + 32t; the activations are permuted the same way (prmt) once per
+//         CTA when their stage lands, so the mma loop reads B fragments as they are.
 //         The per-row op order depends on K only, so a row is bit-identical for every M.
 //   dequant: nibbles i and i+4 of a 32-bit word are 16 bits apart, so one shift puts both at
 //         bits 12..15 / 28..31, and (v & 0x80008000) | ((v >> 6) & 0x01C001C0) is the bf16x2
@@ -21,26 +26,38 @@
 //         F = bf16(block_scale · 2^119) gives e2m1 · scale · 2^-7 ∈ [2^-17, 21]: normal, exact
 //         (≤ 6 significant bits). The 2^7 and the global scale are applied once, in f32, on the
 //         store: y = acc · (global_scale · 128). Nothing over- or underflows for any e4m3 scale.
+//         19 instructions per word (8 weights), 15 of them bit ops on the 16-lane ALU/IMAD
+//         pipes: the sign and the magnitude of a code need different shifts (source offsets
+//         differ by 1 bit, bf16 targets by 7) and other codes' bits must be masked, so no
+//         shift/mask pair is shared between pairs in the checkpoint layout.
 //   pipeline: 5 stages of cp.async (weights and scales with an L2 evict-first policy: they are
 //         read once; activations default policy: every row group re-reads them), one barrier
 //         per 128-k chunk. A stage holds W·16 rows × 64 B of packed weight, W·16 × 8 scale
 //         bytes and MT·8 rows × 256 B of activations (16-byte units XOR-swizzled so the B
-//         fragment loads are bank-conflict free). silu variant: raw gate/up are staged and
-//         converted to the bf16 activation one stage ahead (f32 silu·up, RNE to bf16).
+//         fragment loads are bank-conflict free). Activations are converted one stage ahead
+//         (plain: the B-fragment permutation, in place; silu: raw gate/up → f32 silu·up, RNE to
+//         bf16, permuted). Each thread's copy plan (2 weight pieces, 1 scale piece, its
+//         activation units) is fixed per CTA and advanced by a constant per chunk.
 //   launch: programmatic dependent launch. The prologue's weight and scale loads are issued
 //         before griddepcontrol.wait (weights are constants: no kernel before this one writes
 //         them), activations and outputs only after it; launch_dependents after the main loop
 //         lets the next kernel's prologue overlap this epilogue.
-//   split-K: S CTAs of a cluster each sum a contiguous K range; partials [16W, 8MT] f32 go to
-//         shared memory and rank r sums elements r, r+S·threads, … over ranks 0..S−1 in order
+//   split-K (S > 1): the S CTAs of a cluster store their segment partials [spc][16W, 8MT] f32 in
+//         shared memory; rank r sums elements r, r+S·threads, … over all segments in order
 //         through distributed shared memory (fixed order: deterministic, no atomics).
 //   tails: rows ≥ n and (generic path) k ≥ K are zero-filled by cp.async; K % 128 == 0 with
 //         16-byte-aligned rows takes the vector path, any K % 16 == 0 the generic one.
+//         Activation rows ≥ M in the last n8 tile are never written: they feed only output
+//         columns ≥ M (mma columns are independent), which are never stored.
 //
-// Floor: bytes = N·K/2 + N·K/16 (+ M·K·2 + M·N·2); 14336×5120 ⇒ 41.3 MB ⇒ 9.6 µs at 4.3 TB/s
-//   (measured fraction: see bench/NOTES.md, bench/bench_gemv.py).
-// Issue budget at 4.3 TB/s on 132 SMs: ≈ 7.8 thread-instructions per weight byte; this kernel
-//   spends ≈ 6 at M = 1 (dequant 19 per 8 weights, the rest loads, prmt, mma, scales).
+// Floor: bytes = N·K/2 + N·K/16 (+ M·K·2 + M·N·2); 14336×5120 ⇒ 41.3 MB ⇒ 9.9 µs at the
+//   H200's measured 4.19 TB/s copy bandwidth (measured fractions: bench/NOTES.md, results/gemv.md).
+// Issue budget at 4.19 TB/s on 132 SMs × 4 schedulers at 1.98 GHz: ≈ 8 thread-instructions per
+//   weight + scale byte (one warp-instruction per 144 bytes). Per 128-k chunk and warp
+//   (1152 bytes) v1 issued ≈ 420 warp-instructions (≈ 12 per byte: issue-bound, measured 0.42
+//   of copy bandwidth on the 715 MB LM head); v2 issues ≈ 280 at M = 1 (152 dequant, 8 mma,
+//   14 scale conversion, ≈ 50 copy issue, barrier and loop, ≈ 50 loads and addressing) and
+//   ≈ 360 at M = 32 (32 mma).
 #include "w4a16_gemv.h"
 
 #include <algorithm>
