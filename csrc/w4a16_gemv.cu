@@ -609,11 +609,15 @@ bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 }  // namespace
 
 int w4a16_gemv_k_splits(int k) {
-  // ≥ 4 chunks (512 k) per CTA so the cluster barrier and partial exchange stay small next to
-  // the streaming; at most 8 (portable cluster size). K = 2048 → 4, K ≥ 4096 → 8, K ≤ 1024 → 1..2.
+  // ≥ 2 chunks (256 k) per segment, at most 8 segments (portable cluster size): K = 512 → 2,
+  // 1024 → 4, ≥ 2048 → 8. v1 kept ≥ 4 chunks per CTA for the cluster barrier's sake; small-N
+  // shapes (experts: one 1-warp CTA per SM) are bound by one warp's serial chunk latency
+  // (≈ 0.3 µs per chunk), and since v2 large N no longer pays for segments (splits chosen
+  // from N, 2 segments per CTA or one CTA over all of K), shorter segments only cost there a
+  // few f32 adds.
   const int chunks = (k + kChunkK - 1) / kChunkK;
   int s = 1;
-  while (s < kMaxSplits && 2 * s * 4 <= chunks) s *= 2;
+  while (s < kMaxSplits && 2 * s * 2 <= chunks) s *= 2;
   return s;
 }
 
