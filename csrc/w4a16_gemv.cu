@@ -336,10 +336,11 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int x_dst0 = kSilu ? lay.g_off + x_r0 * kXRowBytes + x_u * 16
                            : lay.x_off + x_r0 * kXRowBytes + x_slot(x_r0, x_u) * 16;
   const int64_t x_src_step = static_cast<int64_t>(x_rstep) * K;                 // elements
+  const int64_t x_src0 = static_cast<int64_t>(x_r0) * K + 8 * x_u;             // chunk 0, row x_r0
   auto issue_acts = [&](int st_off, int c) {
-    const int kk = c * kChunkK + 8 * x_u;
-    const bool ok = kVec || kk < K;
-    const int64_t src0 = ok ? static_cast<int64_t>(x_r0) * K + kk : 0;
+    if (x_r0 >= M) return;                       // no activation unit for this thread
+    const bool ok = kVec || c * kChunkK + 8 * x_u < K;
+    const int64_t src0 = ok ? x_src0 + c * kChunkK : 0;
     const __nv_bfloat16* xs = x + src0;
     const __nv_bfloat16* us = kSilu ? up + src0 : nullptr;
     uint32_t dst = smem_base + st_off + x_dst0;
