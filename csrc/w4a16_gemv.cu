@@ -61,6 +61,7 @@
 #include "w4a16_gemv.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -663,6 +664,17 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   }
   int warps = kMaxWarps;
   while (warps > 1 && ceil_div(tiles, warps) * splits < 2 * sms) warps /= 2;
+  // Balance (M ≤ 8): a grid of a few long CTAs per SM ends with the SM holding the most, so of
+  // W = 4 and 2 take the one whose CTAs per SM fall closest below a whole number (gate_up
+  // 34816×5120, one split: 544 four-warp CTAs = 4.12 per SM → 0.82 of the SMs' time used,
+  // 1088 two-warp CTAs = 8.24 → 0.92). M > 8 keeps W = 4: each CTA re-reads the activations.
+  if (warps == kMaxWarps && a.m <= 8) {
+    auto used = [&](int w) {
+      const double per_sm = double(ceil_div(tiles, w) * splits) / sms;
+      return per_sm / std::ceil(per_sm);
+    };
+    if (used(kMaxWarps / 2) > used(kMaxWarps) + 0.05) warps = kMaxWarps / 2;
+  }
   const SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};
   const int groups0 = ceil_div(a.w[0].n, warps * kTileN);
   const int groups = groups0 + (a.num_weights == 2 ? ceil_div(a.w[1].n, warps * kTileN) : 0);
