@@ -77,7 +77,15 @@
 //       latency; programmatic dependent launch for the attention kernel too (pdl_wait first,
 //       then trigger at once so the combine grid launches under the last wave); the combine
 //       reads seq_lens before its wait and folds level 1 with 4 threads per column. Same
-//       math, same bits.
+//       math, same bits. Measured: B = 1 wins from L ≥ 8K (32K bf16 16/2 33.6 µs), large B
+//       0.79–0.91 of the floor bf16, 0.63–0.74 fp8, with the per-tile period of a CTA
+//       ≈ 2.1–2.3 µs for both dtypes at B = 128 × 32K (fp8 tiles carry half the bytes, 3 CTAs
+//       per SM instead of 2): ≥ 17 MB in flight at 3.1–3.8 TB/s, so the memory system's
+//       efficiency on this access pattern, not issue or bytes in flight, was the limit.
+//   v3  KV copies carry an L2 prefetch-size hint (.L2::256B, or the row size when smaller):
+//       v2's 64-byte row pieces (8 rows per warp instruction) were filled from DRAM as
+//       separate sector-pair requests per half line; the peers at the floor use .L2::128B.
+//       Same math, same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -109,6 +117,7 @@ struct Traits {
   static constexpr int kRowBytes = HD * kElemBytes;        // one position of one kv head
   static constexpr int kChunks = kRowBytes / 16;           // 16-byte chunks per row: 4..32
   static constexpr int kTileBytes = kTileN * kRowBytes;    // one K (or V) tile
+  static constexpr int kPrefetch = kRowBytes < 256 ? kRowBytes : 256;  // L2 fill hint (bytes)
   // Stages: ≥ 64 KB of KV in flight per CTA where smem allows 2 CTAs/SM (hd 256 bf16: 3).
   static constexpr int kStages = 2 * kTileBytes >= 32768 ? 3 : 4;
   static constexpr int kColsPerWarp = HD / kWarps;         // O columns per warp: 16, 32, 64
@@ -141,10 +150,29 @@ struct Problem {
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-// 16-byte async copy; src_bytes 0 writes zeros and reads nothing (positions past the split).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
+// 16-byte async copy of a KV row chunk, with an L2 prefetch-size hint of kPrefetch bytes (64,
+// 128 or 256: the row's size, at most 256 — never a neighbouring kv head's row); src_bytes 0
+// (position past the split, block id outside the pool) writes zeros and reads nothing, the
+// zero-fill form CUTLASS's SM80_CP_ASYNC_CACHEGLOBAL_ZFILL uses with the same hint (one
+// LDGSTS with the ignore-source predicate, as v2's; an if/else of a hinted and a plain copy
+// compiled to two predicated LDGSTS per chunk).
+// v3: the hint is new. v2's copies are 64-byte pieces of 8 rows per warp instruction (4
+// threads per row), and without a hint L2 fills from DRAM per requested 32-byte sector pair,
+// so each 128-byte line of a row reached DRAM as two separate requests issued at different
+// times; the peers that reach the floor (CUTLASS SM80_CP_ASYNC_CACHEGLOBAL under FA2,
+// FlashInfer's cp_async kPrefetch) all copy with .L2::128B. v2 at large B ran 0.79–0.91 of the
+// floor with ≥ 17 MB in flight (Little: that is ~4–5 µs per request at the achieved 3.1–3.8
+// TB/s, i.e. the memory system, not the CTA's issue or its bytes in flight, was the limit).
+template <int kPrefetch>
+__device__ __forceinline__ void cp_async_16_kv(uint32_t dst, const void* src, bool valid) {
+  static_assert(kPrefetch == 64 || kPrefetch == 128 || kPrefetch == 256, "prefetch size");
+  const int src_bytes = valid ? 16 : 0;
+  if constexpr (kPrefetch == 256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  else if constexpr (kPrefetch == 128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  else
+    asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
@@ -394,8 +422,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     for (int k = 0; k < kChunksPerThread; ++k) {
       const int c = kThreadsPerRow * k + copy_c0;
       const uint32_t dst = k_dst + Tr::swizzle(copy_row, c);
-      cp_async_16(dst, k_row + 16 * c, ok);
-      cp_async_16(dst + Tr::kTileBytes, v_row + 16 * c, ok);
+      cp_async_16_kv<Tr::kPrefetch>(dst, k_row + 16 * c, ok);
+      cp_async_16_kv<Tr::kPrefetch>(dst + Tr::kTileBytes, v_row + 16 * c, ok);
     }
     if constexpr (FP8) {
       if (copy_c0 < 2) {                                       // 0: K scale, 1: V scale
