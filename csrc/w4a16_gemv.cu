@@ -231,7 +231,7 @@ __device__ __forceinline__ void store_out(const W4A16GemvWeight& w, DType dt, in
 // copies, 8-byte scale copies, no K tail); else 8-byte weight copies and byte scale loads.
 // kSilu: the activation is bf16(silu(x) · up).
 //
-// v2 (instruction diet; same numerics as v1, bit for bit): v1 spent ≈ 420 warp-instructions per
+// v2 (instruction diet; v1's per-segment math, sums in segment order): v1 spent ≈ 420 warp-instructions per
 // 128-k chunk and warp (≈ 12 per weight byte, above the ≈ 8 the H200 can issue at copy
 // bandwidth), of which only ≈ 150 were the dequant: the rest was per-chunk address math
 // (generic strided copy loops: ≈ 35 instructions per cp.async, smem fragment addresses and
