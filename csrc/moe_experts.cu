@@ -68,40 +68,90 @@ __device__ __forceinline__ uint4 load_weight16(const void* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
 }
 
-// Dot of `vec` (K bf16 values in shared memory) with weight row `row` of expert e, by one warp;
-// every lane returns the full sum. The two policies below share this signature.
+// v2: every dot is split into a LOAD phase (the lane's chunks of one window of K, for all the
+// dots a warp owns, issued back to back) and an ACCUMULATE phase (the v1 arithmetic, unchanged).
+// v1 ran one dot at a time — load 1–2 chunks, multiply, xor-reduce, next dot — so a warp paid
+// one full memory latency per dot: the down pass at B = 1 chained 2 rows × 9 experts = 18
+// latencies (≈ 18 µs for 5 MB, floor 1.3 µs), gate_up 2 rows × (gate, up) = 4. Now the down
+// pass issues all ≤ kDownGroup experts' chunks of a row at once (2 latencies per warp at B = 1),
+// gate_up all 4 dots' chunks at once (1). Numerics are bit-identical to v1: a window holds the
+// chunks c = lane + 32·i in the order v1's loop visited them, and each dot keeps its own float32
+// accumulator updated in that same order with the same fmaf sequence.
+//
+// Fragment of one dot for one lane over one window: chunks c = c0 + lane + 32·i, i < kCpl.
+template <int kCpl>
+struct Frag {
+  uint4 w[kCpl];
+  uint16_t s[kCpl];   // NVFP4: the chunk's two e4m3 block scales (low byte = first block)
+};
+
+// Weight policies: kElemsPerChunk, load(frag) and accumulate(frag, acc) of one window,
+// global_scale(e) (read by the kernels with the chunks, not after the reduce) and finish (× it). The dot of `vec` (K bf16 values in shared memory) with weight row n of
+// expert e is: acc = 0; for each window {load; accumulate}; finish(warp_sum(acc)).
 struct Bf16Weights {
   static constexpr int kElemsPerChunk = 8;
-  __device__ __forceinline__ static float dot(const ExpertStack& s, int64_t e, int64_t n, int64_t rows, int k,
-                                              const __nv_bfloat16* vec, const float*) {
+  template <int kCpl>
+  __device__ __forceinline__ static void load(const ExpertStack& s, int64_t e, int64_t n, int64_t rows, int k,
+                                              int c0, Frag<kCpl>& f) {
     const char* row = static_cast<const char*>(s.weight) + ((e * rows + n) * k) * 2;
-    float acc = 0.f;
-    for (int c = threadIdx.x % 32; c < k / kElemsPerChunk; c += 32) {
-      const uint4 w = load_weight16(row + c * 16);
-      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
+    const int chunks = k / kElemsPerChunk;
+#pragma unroll
+    for (int i = 0; i < kCpl; ++i) {
+      const int c = c0 + threadIdx.x % 32 + 32 * i;
+      if (c < chunks) f.w[i] = load_weight16(row + c * 16);
+    }
+  }
+  template <int kCpl>
+  __device__ __forceinline__ static float accumulate(const Frag<kCpl>& f, int k, int c0, const __nv_bfloat16* vec,
+                                                     const float*, float acc) {
+    const int chunks = k / kElemsPerChunk;
+#pragma unroll
+    for (int i = 0; i < kCpl; ++i) {
+      const int c = c0 + threadIdx.x % 32 + 32 * i;
+      if (c >= chunks) break;
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&f.w[i]);
       const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(vec + c * kElemsPerChunk);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 wf = __bfloat1622float2(w2[i]), xf = __bfloat1622float2(x2[i]);
+      for (int j = 0; j < 4; ++j) {
+        const float2 wf = __bfloat1622float2(w2[j]), xf = __bfloat1622float2(x2[j]);
         acc = fmaf(wf.x, xf.x, acc);
         acc = fmaf(wf.y, xf.y, acc);
       }
     }
-    return warp_sum(acc);
+    return acc;
   }
+  __device__ __forceinline__ static float global_scale(const ExpertStack&, int64_t) { return 1.f; }
+  __device__ __forceinline__ static float finish(float, float sum) { return sum; }
 };
 
 struct Nvfp4Weights {
   static constexpr int kElemsPerChunk = 32;   // 16 bytes of codes = 2 blocks of 16
-  __device__ __forceinline__ static float dot(const ExpertStack& s, int64_t e, int64_t n, int64_t rows, int k,
-                                              const __nv_bfloat16* vec, const float* lut) {
+  template <int kCpl>
+  __device__ __forceinline__ static void load(const ExpertStack& s, int64_t e, int64_t n, int64_t rows, int k,
+                                              int c0, Frag<kCpl>& f) {
     const int64_t r = e * rows + n;
     const uint8_t* codes = static_cast<const uint8_t*>(s.weight) + r * (k / 2);
-    const uint8_t* scales = s.block_scale + r * (k / kNvfp4Block);
-    float acc = 0.f;
-    for (int c = threadIdx.x % 32; c < k / kElemsPerChunk; c += 32) {
-      const uint4 w = load_weight16(codes + c * 16);
-      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    // k % 32 == 0, so a row's k/16 scales start 2-byte aligned: one 16-bit load per chunk
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(s.block_scale + r * (k / kNvfp4Block));
+    const int chunks = k / kElemsPerChunk;
+#pragma unroll
+    for (int i = 0; i < kCpl; ++i) {
+      const int c = c0 + threadIdx.x % 32 + 32 * i;
+      if (c < chunks) {
+        f.w[i] = load_weight16(codes + c * 16);
+        f.s[i] = __ldcs(scales + c);
+      }
+    }
+  }
+  template <int kCpl>
+  __device__ __forceinline__ static float accumulate(const Frag<kCpl>& f, int k, int c0, const __nv_bfloat16* vec,
+                                                     const float* lut, float acc) {
+    const int chunks = k / kElemsPerChunk;
+#pragma unroll
+    for (int i = 0; i < kCpl; ++i) {
+      const int c = c0 + threadIdx.x % 32 + 32 * i;
+      if (c >= chunks) break;
+      const uint32_t words[4] = {f.w[i].x, f.w[i].y, f.w[i].z, f.w[i].w};
       const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(vec + c * kElemsPerChunk);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {          // one 16-element block each
@@ -116,12 +166,22 @@ struct Nvfp4Weights {
             block = fmaf(lut[(word >> (8 * b + 4)) & 0xF], xf.y, block);
           }
         }
-        acc = fmaf(block, e4m3_decode(scales[c * 2 + half]), acc);
+        acc = fmaf(block, e4m3_decode(static_cast<uint8_t>(f.s[i] >> (8 * half))), acc);
       }
     }
-    return warp_sum(acc) * s.global_scale[e];
+    return acc;
   }
+  __device__ __forceinline__ static float global_scale(const ExpertStack& s, int64_t e) { return s.global_scale[e]; }
+  __device__ __forceinline__ static float finish(float gs, float sum) { return sum * gs; }
 };
+
+// Chunks per lane per window: gate_up holds 4 dots × 2 (NVFP4 h = 2048 = 64 chunks: one window),
+// down holds kDownGroup dots × 1 (NVFP4 I = 512 = 16 chunks: one window; BF16 I = 512: two).
+constexpr int kGateUpCpl = 2;
+constexpr int kDownCpl = 1;
+// Experts of one token whose chunks a down warp loads together: ≥ 9 = Qwen3.5/3.6's top-8 + the
+// shared slot, so a row is one group (ptxas: registers in the header note below).
+constexpr int kDownGroup = 12;
 
 __device__ __forceinline__ void fill_e2m1_table(float* lut) {
   if (threadIdx.x < 16) {   // magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}; bit 3 = sign
@@ -139,14 +199,19 @@ __device__ __forceinline__ void stage(__nv_bfloat16* dst, const __nv_bfloat16* s
 }
 
 // grid (ceil(I / kRowsPerCta), T·k): act[p, n] = bf16(silu(bf16(gate·x)) · bf16(up·x)).
+// A warp owns rows n0, n0+1 (kRowsPerWarp = 2) and their 4 dots (gate, up of each row): per
+// window of K it loads the 4 fragments, then accumulates them in v1's order.
+// 3 CTAs per SM (≤ 80 registers, no spills; 124 unbounded = 2 CTAs): the B = 1 grid of
+// 32 × 9 = 288 CTAs then fits one wave of 132 × 3.
 template <typename W>
-__global__ void __launch_bounds__(kThreads) moe_gate_up_kernel(
+__global__ void __launch_bounds__(kThreads, 3) moe_gate_up_kernel(
     const __nv_bfloat16* __restrict__ x,   // [T, h]
     const int32_t* __restrict__ ids,       // [T·k]
     const int32_t* __restrict__ pair_order,   // [T·k] or nullptr
     ExpertStack gate, ExpertStack up,      // [E, I, h]
     __nv_bfloat16* __restrict__ act,       // [T·k, I]
     int top_k, int num_experts, int hidden, int inter) {
+  static_assert(kRowsPerWarp == 2, "the dot arrays below hold 2 rows × (gate, up)");
   extern __shared__ __align__(16) unsigned char smem[];
   float* lut = reinterpret_cast<float*>(smem);                                  // [16]
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + 16 * sizeof(float));  // [h]
@@ -155,24 +220,50 @@ __global__ void __launch_bounds__(kThreads) moe_gate_up_kernel(
   pdl_launch_dependents();
   const int64_t p = pair_order != nullptr ? pair_order[blockIdx.y] : blockIdx.y;
   const int e = ids[p];
+  const bool valid = e >= 0 && e < num_experts;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n0 = blockIdx.x * kRowsPerCta + warp * kRowsPerWarp;
+  const bool live[2] = {n0 < inter, n0 + 1 < inter};
+  constexpr int kWindow = 32 * kGateUpCpl;                 // chunks per window
+  const int chunks = hidden / W::kElemsPerChunk;
+  Frag<kGateUpCpl> f[4];                                   // [row 0 gate, row 0 up, row 1 gate, row 1 up]
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  // window 0's weights do not depend on x: issue them before staging x
+  auto load_window = [&](int c0) {
+#pragma unroll
+    for (int d = 0; d < 4; ++d) {
+      if (valid && live[d / 2]) W::load(d % 2 == 0 ? gate : up, e, n0 + d / 2, inter, hidden, c0, f[d]);
+    }
+  };
+  load_window(0);
   stage(xs, x + (p / top_k) * hidden, hidden);
   __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int c0 = 0; c0 < chunks; c0 += kWindow) {
+    if (c0 > 0) load_window(c0);
+#pragma unroll
+    for (int d = 0; d < 4; ++d) {
+      if (valid && live[d / 2]) acc[d] = W::accumulate(f[d], hidden, c0, xs, lut, acc[d]);
+    }
+  }
+  // the two global scales are read here, not with the chunks: held across the window loop they
+  // pushed the NVFP4 instance past 80 registers (ptxas spilled 36 bytes); one L2 hit per warp
+  const float gs_gate = valid ? W::global_scale(gate, e) : 0.f, gs_up = valid ? W::global_scale(up, e) : 0.f;
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int n = blockIdx.x * kRowsPerCta + warp * kRowsPerWarp + i;
-    if (n >= inter) break;
+    if (!live[i]) break;
     float a = 0.f;
-    if (e >= 0 && e < num_experts) {
-      const float g = round_bf16(W::dot(gate, e, n, inter, hidden, xs, lut));
-      const float u = round_bf16(W::dot(up, e, n, inter, hidden, xs, lut));
+    if (valid) {
+      const float g = round_bf16(W::finish(gs_gate, warp_sum(acc[2 * i])));
+      const float u = round_bf16(W::finish(gs_up, warp_sum(acc[2 * i + 1])));
       a = g / (1.f + expf(-g)) * u;
     }
-    if (lane == 0) act[p * inter + n] = __float2bfloat16(a);
+    if (lane == 0) act[p * inter + n0 + i] = __float2bfloat16(a);
   }
 }
 
 // grid (ceil(h / kRowsPerCta), T): out[t, n] = Σ_j weights[t, j] · bf16(down_{ids[t,j]}[n] · act[t·k+j]).
+// A warp owns rows n0, n0+1; per row, per group of ≤ kDownGroup slots, per window of I: it loads
+// the group's fragments, then accumulates them; the weighted sum runs over j in slot order (v1).
 template <typename W>
 __global__ void __launch_bounds__(kThreads) moe_down_kernel(
     const __nv_bfloat16* __restrict__ act,   // [T·k, I]
@@ -188,23 +279,55 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(
   extern __shared__ __align__(16) unsigned char smem[];
   float* lut = reinterpret_cast<float*>(smem);                                  // [16]
   __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + 16 * sizeof(float));  // [k, I]
+  int32_t* ids_s = reinterpret_cast<int32_t*>(as + top_k * inter);              // [k]
+  float* w_s = reinterpret_cast<float*>(ids_s + top_k);                         // [k]
+  float* gs_s = w_s + top_k;                                                    // [k] global scales
   const int64_t t = blockIdx.y;
   fill_e2m1_table(lut);
   pdl_wait();                  // act comes from the gate_up pass
   pdl_launch_dependents();
   stage(as, act + t * top_k * inter, top_k * inter);
+  if (threadIdx.x < top_k) {
+    ids_s[threadIdx.x] = ids[t * top_k + threadIdx.x];
+    w_s[threadIdx.x] = weights[t * top_k + threadIdx.x];
+    const int e = ids[t * top_k + threadIdx.x];
+    gs_s[threadIdx.x] = e >= 0 && e < num_experts ? W::global_scale(down, e) : 0.f;
+  }
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
+  constexpr int kWindow = 32 * kDownCpl;
+  const int chunks = inter / W::kElemsPerChunk;
+#pragma unroll 1
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int n = blockIdx.x * kRowsPerCta + warp * kRowsPerWarp + i;
     if (n >= hidden) break;
     float acc = 0.f;
-    for (int j = 0; j < top_k; ++j) {
-      const int e = ids[t * top_k + j];
-      if (e < 0 || e >= num_experts) continue;
-      const float d = round_bf16(W::dot(down, e, n, hidden, inter, as + j * inter, lut));
-      acc = fmaf(weights[t * top_k + j], d, acc);
+#pragma unroll 1
+    for (int j0 = 0; j0 < top_k; j0 += kDownGroup) {
+      Frag<kDownCpl> f[kDownGroup];
+      float dot[kDownGroup];
+#pragma unroll
+      for (int g = 0; g < kDownGroup; ++g) dot[g] = 0.f;
+#pragma unroll 1
+      for (int c0 = 0; c0 < chunks; c0 += kWindow) {
+#pragma unroll
+        for (int g = 0; g < kDownGroup; ++g) {
+          const int j = j0 + g, e = j < top_k ? ids_s[j] : -1;
+          if (e >= 0 && e < num_experts) W::load(down, e, n, hidden, inter, c0, f[g]);
+        }
+#pragma unroll
+        for (int g = 0; g < kDownGroup; ++g) {
+          const int j = j0 + g, e = j < top_k ? ids_s[j] : -1;
+          if (e >= 0 && e < num_experts) dot[g] = W::accumulate(f[g], inter, c0, as + j * inter, lut, dot[g]);
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < kDownGroup; ++g) {
+        const int j = j0 + g, e = j < top_k ? ids_s[j] : -1;
+        if (e < 0 || e >= num_experts) continue;
+        const float d = round_bf16(W::finish(gs_s[j], warp_sum(dot[g])));
+        acc = fmaf(w_s[j], d, acc);
+      }
     }
     if (lane == 0) {
       if (shared == nullptr) {
@@ -227,7 +350,7 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, cudaStream_t stream) {
   const int64_t pairs = a.num_tokens * a.top_k;
   const size_t lut_bytes = 16 * sizeof(float);
   const size_t gate_smem = lut_bytes + static_cast<size_t>(a.hidden) * 2;
-  const size_t down_smem = lut_bytes + static_cast<size_t>(a.top_k) * a.inter * 2;
+  const size_t down_smem = lut_bytes + static_cast<size_t>(a.top_k) * (a.inter * 2 + 12);   // + ids, weights, scales
   if (down_smem > 48 * 1024) {
     ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(moe_down_kernel<W>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(down_smem)));
@@ -248,7 +371,7 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, cudaStream_t stream) {
 cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
   const bool dims_ok = a.hidden >= 32 && a.hidden % 32 == 0 && a.hidden <= kMoeExpertsMaxHidden &&
                        a.inter >= 32 && a.inter % 32 == 0 && a.inter <= kMoeExpertsMaxHidden;
-  const int64_t down_smem = 64 + static_cast<int64_t>(a.top_k) * a.inter * 2;
+  const int64_t down_smem = 64 + static_cast<int64_t>(a.top_k) * (a.inter * 2 + 12);
   if (!dims_ok || a.num_tokens < 1 || a.num_tokens * a.top_k > 65535 || a.top_k < 1 ||
       a.top_k > kMoeExpertsMaxTopK || a.num_experts < 1 || down_smem > 227 * 1024 || a.x == nullptr ||
       a.ids == nullptr || a.weights == nullptr || a.act == nullptr || a.out == nullptr ||

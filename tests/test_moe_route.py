@@ -142,7 +142,8 @@ def test_moe_experts_rejects():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("t,k,e", [(1, 8, 256), (8, 8, 256), (32, 8, 256), (3, 10, 512), (5, 2, 8)])
+@pytest.mark.parametrize("t,k,e", [(1, 8, 256), (8, 8, 256), (32, 8, 256), (3, 10, 512), (5, 2, 8),
+                                   (2, 20, 64)])   # k = 20: two of the down kernel's 12-slot groups
 def test_moe_experts_kernel_matches_reference(fmt, t, k, e):
     g = _gen("experts-cuda", fmt, t, k, e)
     inter, h = 512, 2048

@@ -281,7 +281,8 @@ int test_moe_experts(std::mt19937& rng) {
   struct C { int t, k, e, h, inter; bool nvfp4, shared, ordered, out_bf16 = false; };
   for (const C c : {C{1, 8, 16, 2048, 512, true, true, false}, C{6, 8, 16, 2048, 512, true, true, true},
                     C{4, 2, 8, 256, 64, false, false, true}, C{3, 10, 12, 512, 128, false, true, false},
-                    C{2, 4, 6, 96, 32, true, false, false}, C{5, 3, 9, 256, 64, true, false, true, true}}) {
+                    C{2, 4, 6, 96, 32, true, false, false}, C{5, 3, 9, 256, 64, true, false, true, true},
+                    C{2, 20, 24, 256, 64, true, true, false}}) {   // k = 20: two 12-slot down groups
     const Stack g = make_stack(rng, c.e, c.inter, c.h, c.nvfp4), u = make_stack(rng, c.e, c.inter, c.h, c.nvfp4),
                 d = make_stack(rng, c.e, c.h, c.inter, c.nvfp4);
     std::normal_distribution<float> normal;
