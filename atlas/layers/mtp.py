@@ -89,6 +89,7 @@ class MtpHead:
         self.max_blocks_per_seq = max_seq_len // cache.block_size + 1
         self._pending: dict[Hashable, tuple[int, int]] = {}   # seq → (rows before propose, k)
         self._graphs: dict[tuple[int, int], ProposeGraph] = {}
+        self._consts: dict[tuple, Tensor] = {}   # constant index tensors of _draft_metas, built once
 
     # =========================================================================================
     # construction
@@ -436,11 +437,13 @@ class MtpHead:
         """k batched forwards; meta covers all k rows of every sequence (plan({s: k}))."""
         b = tokens.shape[0]
         drafts, conf = [], []
-        for j, meta_j in enumerate(_draft_metas(meta, b, k)):
+        for j, meta_j in enumerate(_draft_metas(meta, b, k, self._consts)):
             logits, hidden = self._forward(tokens, hidden, meta_j)
             tokens, p = ops.argmax(logits)                                               # [B] int64, f32
             drafts.append(tokens)
             conf.append(p)
+        if k == 1:   # views: a torch.stack is one more kernel per output in the captured graph
+            return drafts[0].unsqueeze(1), conf[0].unsqueeze(1)
         return torch.stack(drafts, dim=1), torch.stack(conf, dim=1)
 
     # ---- checks ----------------------------------------------------------------------------
@@ -465,16 +468,30 @@ def _shift_positions(meta: AttentionMetadata) -> AttentionMetadata:
     return dataclasses.replace(meta, positions=meta.positions + 1)
 
 
-def _draft_metas(meta: AttentionMetadata, b: int, k: int) -> list[AttentionMetadata]:
+def _draft_metas(meta: AttentionMetadata, b: int, k: int, consts: dict) -> list[AttentionMetadata]:
     """Per draft position j = 0..k−1, the metadata of its B decode rows, out of
     plan({s: k for s in seqs}) (B·k rows, k consecutive rows per sequence): row j of each
-    sequence, seq_lens shortened to end at it, positions shifted to RoPE positions. Four device
-    ops for all k positions (graph-capturable); position j's tensors are rows of [k, B] tensors."""
-    positions = (meta.positions.view(b, k).t() + 1).contiguous()                       # [k, B]
-    slots = meta.slot_mapping.view(b, k).t().contiguous()                              # [k, B]
-    back = torch.arange(k - 1, -1, -1, dtype=torch.int32, device=meta.device)
-    seq_lens = (meta.seq_lens.unsqueeze(0) - back.unsqueeze(1)).contiguous()           # [k, B]
-    qsl = torch.arange(b + 1, dtype=torch.int32, device=meta.device)
+    sequence, seq_lens shortened to end at it, positions shifted to RoPE positions; position
+    j's tensors are rows of [k, B] tensors (graph-capturable). Every device op here is a kernel
+    of the captured propose (≈ 1–2 µs of replay each), so: the constant tensors (query_start_loc,
+    the seq_len offsets) come from `consts`, built on the first (eager, warm-up) call and reused
+    by the capture; k = 1 needs one op (positions + 1: slots and seq_lens are views); k > 1 four
+    (positions, the two transposing copies, seq_lens)."""
+    def const(name: str, n: int, fn):
+        key = (name, n, meta.device)
+        if key not in consts:
+            consts[key] = fn()
+        return consts[key]
+
+    qsl = const("qsl", b, lambda: torch.arange(b + 1, dtype=torch.int32, device=meta.device))
+    positions = meta.positions.view(b, k).t() + 1                                      # [k, B]
+    if k == 1:                                                                         # [1, B] rows: views
+        slots, seq_lens = meta.slot_mapping.view(1, b), meta.seq_lens.view(1, b)
+    else:
+        positions = positions.contiguous()
+        slots = meta.slot_mapping.view(b, k).t().contiguous()                          # [k, B]
+        back = const("back", k, lambda: torch.arange(k - 1, -1, -1, dtype=torch.int32, device=meta.device))
+        seq_lens = (meta.seq_lens.unsqueeze(0) - back.unsqueeze(1)).contiguous()       # [k, B]
     out = []
     for j in range(k):
         ctx = [c + j for c in meta.context_lens]
