@@ -49,8 +49,10 @@
 //   Canonical merge of a sequence's splits (λ_s = log2-sum-exp, o_s = O / l): a left fold in
 //   split order within groups of 8 splits, then over the groups, with every rounding pinned by
 //   _rn intrinsics (see Fold). Combine (second kernel, programmatic dependent launch, only when
-//   some sequence can leave partials): one CTA per (sequence, kv head, row, 64 columns) stages
-//   the partials in smem and runs the fold. Single-split sequences are written directly.
+//   some sequence can leave partials): fused mode and tables of ≤ 16 splits, the flat kernel
+//   (a thread per 4 elements of a (sequence, kv head) block, no smem, v3); longer split-mode
+//   tables, the staged kernel (one CTA per (sequence, kv head, row, 64 columns) stages all
+//   partials in smem, then folds). Single-split sequences are written directly.
 //
 // Shared memory (hd 256, bf16, M_TILES 1): 3 stages × (K + V) 32 KB + Q 8.4 KB + P 1.3 KB
 //   ≈ 107 KB → 2 CTAs per SM (v2: 190 registers). FP8 tiles are half as big (4 stages, 64 KB,
@@ -85,7 +87,9 @@
 //   v3  KV copies carry an L2 prefetch-size hint (.L2::256B, or the row size when smaller):
 //       v2's 64-byte row pieces (8 rows per warp instruction) were filled from DRAM as
 //       separate sector-pair requests per half line; the peers at the floor use .L2::128B.
-//       Same math, same bits.
+//       The combine of fused mode and of short tables (≤ 16 splits) runs as a flat kernel
+//       (4 elements per thread, no smem or barrier): 8× fewer, smaller CTAs than the staged
+//       kernel's 15.5 waves at B = 128 (see paged_decode_combine_flat_kernel). Same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -867,8 +871,119 @@ paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
   }
 }
 
+// ---- flat combine (v3) ----------------------------------------------------------------------
+// Grid (ceil(rows_total · hd / 512), nkv, B), 128 threads: thread i of CTA x owns the 4
+// consecutive elements e0 = 512·x + 4·i of the flattened [rows_total, hd] block of one
+// (sequence, kv head) — one float4 of every partial slot (a slot's rows are contiguous) — and
+// runs the canonical merge for those 4 alone. Every thread redoes its row's λ recurrences
+// (≤ 16 fold_coeffs steps per level: ~0.3 µs of fmax / ex2), so there is no shared memory and
+// no barrier, and all loads of one fold level are in flight together.
+//   kFused (fused mode: the slots hold group results): level 2 over ≤ 16 slots, one round trip.
+//   split mode: level 1 per group of ≤ 8 splits (one round trip per group), then level 2;
+//   chosen by the launcher for max_splits ≤ kFlatMaxSplits (≤ 2 groups); longer tables keep
+//   the staged kernel above, which loads all ≤ 128 slots at once (B = 1, L = 32K: one round
+//   trip there instead of 16).
+// Why: the staged kernel's grid is one 256-thread CTA per (sequence, kv head, row, 64
+// columns), 4 resident per SM (57 registers): at B = 128, 16/2, hd 256 that is 8192 CTAs,
+// 15.5 waves of ~1.5–2 µs dependent chains (seq_lens, partials, 3 barriers, the folds): an
+// estimated 25–30 µs of v2's 612 µs at L = 8K (floor 510), ~7 µs of 161 at B = 32 (2048 CTAs;
+// B = 32, L = 1K split mode the same). Here 1024 CTAs of 128 threads at B = 128: ≈ 2 waves.
+// Same operations in the same order per element as the staged kernel, so the same bits (the
+// batch-invariance test compares a fused batch, combined here, with the sequence alone, whose
+// table of > 16 splits is combined by the staged kernel).
+constexpr int kFlatThreads = 128;
+constexpr int kFlatElems = 4 * kFlatThreads;                 // flattened elements per CTA
+constexpr int kFlatMaxSplits = 2 * kSplitGroup;              // split mode: ≤ 2 dependent trips
+
+template <bool kFused>
+__global__ void __launch_bounds__(kFlatThreads)
+paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
+  const PagedDecodeArgs& a = pb.a;
+  const int hd = a.head_dim, kvh = blockIdx.y, b = blockIdx.z;
+  const int e0 = blockIdx.x * kFlatElems + 4 * threadIdx.x;  // row · hd + column, column % 4 == 0
+  // seq_lens before the wait (as in the staged kernel: written before the attention grid ran).
+  const int seq_len = min(max(__ldg(a.seq_lens + b), 0), a.max_blocks * a.block_size);
+  pdl_wait();                                   // attention grid done, partials visible
+  pdl_launch_dependents();
+  const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
+  const int groups = (count + kSplitGroup - 1) / kSplitGroup;
+  if (count <= 1 || (kFused && groups <= 1) || e0 >= pb.rows_total * hd) return;  // see staged
+  const int gr = e0 / hd, col = e0 % hd;
+  const int64_t slot0 = ((int64_t)b * a.num_kv_heads + kvh) * a.max_splits;      // slot 0's index
+  auto load = [&](int slot, float& lam, float4& o) {
+    const int64_t prow = (slot0 + slot) * pb.rows_total + gr;
+    lam = a.partial_lse[prow];
+    o = *reinterpret_cast<const float4*>(a.partial_o + prow * hd + col);   // 16-byte aligned
+  };
+  Fold top;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  if constexpr (kFused) {
+    float lam[kMaxGroups];
+    float4 o[kMaxGroups];
+#pragma unroll
+    for (int gi = 0; gi < kMaxGroups; ++gi)
+      if (gi < groups) load(gi, lam[gi], o[gi]);
+#pragma unroll
+    for (int gi = 0; gi < kMaxGroups; ++gi) {
+      if (gi < groups) {
+        float ca, cc;
+        fold_coeffs(top, lam[gi], ca, cc);
+        acc[0] = fold_elem(acc[0], ca, o[gi].x, cc);
+        acc[1] = fold_elem(acc[1], ca, o[gi].y, cc);
+        acc[2] = fold_elem(acc[2], ca, o[gi].z, cc);
+        acc[3] = fold_elem(acc[3], ca, o[gi].w, cc);
+      }
+    }
+  } else {
+#pragma unroll 1
+    for (int gi = 0; gi < groups; ++gi) {
+      const int s0 = gi * kSplitGroup, n = min(count - s0, kSplitGroup);
+      float lam[kSplitGroup];
+      float4 o[kSplitGroup];
+#pragma unroll
+      for (int k = 0; k < kSplitGroup; ++k)
+        if (k < n) load(s0 + k, lam[k], o[k]);
+      Fold f;                                   // level 1: this group's splits, in order
+      float og[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int k = 0; k < kSplitGroup; ++k) {
+        if (k < n) {
+          float ca, cc;
+          fold_coeffs(f, lam[k], ca, cc);
+          og[0] = fold_elem(og[0], ca, o[k].x, cc);
+          og[1] = fold_elem(og[1], ca, o[k].y, cc);
+          og[2] = fold_elem(og[2], ca, o[k].z, cc);
+          og[3] = fold_elem(og[3], ca, o[k].w, cc);
+        }
+      }
+      float lam_g, inv_g;
+      fold_result(f, lam_g, inv_g);
+      float ta, tc;                             // level 2: the group into the sequence's fold
+      fold_coeffs(top, lam_g, ta, tc);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] = fold_elem(acc[i], ta, __fmul_rn(og[i], inv_g), tc);
+    }
+  }
+  float top_lam, top_inv;
+  fold_result(top, top_lam, top_inv);
+  const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+  const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * hd + col;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = __float2bfloat16_rn(__fmul_rn(acc[i], top_inv));
+  if (a.lse != nullptr && col == 0) a.lse[orow] = top_lam * kLn2;
+}
+
 // Combine launch: programmatic dependent launch (see above); a plain launch where refused.
+// The flat kernel for fused mode and for short tables, the staged one for long split-mode
+// tables (small batches of long sequences).
 cudaError_t launch_combine(const Problem& pb, cudaStream_t stream) {
+  const bool fused = pb.splits_per_cta > 1;
+  if (fused || pb.a.max_splits <= kFlatMaxSplits) {
+    const dim3 grid((pb.rows_total * pb.a.head_dim + kFlatElems - 1) / kFlatElems, pb.a.num_kv_heads, pb.a.batch);
+    return fused ? launch_pdl(paged_decode_combine_flat_kernel<true>, grid, dim3(kFlatThreads), 0, stream, pb)
+                 : launch_pdl(paged_decode_combine_flat_kernel<false>, grid, dim3(kFlatThreads), 0, stream, pb);
+  }
   const dim3 grid(pb.a.num_kv_heads * pb.rows_total * (pb.a.head_dim / kCombineCols), pb.a.batch);
   return launch_pdl(paged_decode_combine_kernel, grid, dim3(kCombineWarps * 32), 0, stream, pb);
 }
