@@ -12,7 +12,7 @@ head's format; the LM head is NVFP4 in the NVFP4 rows, BF16 otherwise) + drafter
 LM head 286 MB + 33 MB of layer weights ≈ 319 MB → ≈ 74 µs at 4.3 TB/s.
 Goals: B = 1, k = 1, NVFP4, full vocab within 1.25× of the floor; B = 32 within 2× of B = 1.
 
-Usage: python bench/bench_mtp.py [--quick]
+Usage: python bench/bench_mtp.py [--quick | --parts]
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import atlas  # noqa: E402
-from atlas.layers.mtp import MtpHead, random_state_dict  # noqa: E402
-from common import copy_bandwidth_gbs, floor_us, require_cuda, time_events, write_results  # noqa: E402
+from atlas import ops  # noqa: E402
+from atlas.layers.mtp import MtpHead, _draft_metas, random_state_dict  # noqa: E402
+from common import copy_bandwidth_gbs, floor_us, require_cuda, time_cuda_graph, time_events, write_results  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures")
 MODELS = {"35b-a3b": "qwen3_6_35b_a3b.json", "27b": "qwen3_5_27b.json"}
@@ -83,11 +84,79 @@ def measure(head: MtpHead, b: int, k: int, iters: int) -> tuple[float, float]:
     return us, floor_us(head.weight_nbytes(b) + kv)
 
 
+def bench_parts(head: MtpHead, b: int, iters: int) -> list[dict]:
+    """Each launch group of one draft position's forward over B decode rows, timed alone under
+    graph replay (20 calls per graph: weights ≤ 50 MB stay L2-warm, so small parts read
+    optimistic; the point is to find which part dominates, e.g. why B = 32 costs 4.5× B = 1).
+    The residual rms_norms update their residual in place on every call (values drift; the
+    timing does not depend on them)."""
+    dev, cfg, h = head.device, head.cfg, head.hidden_size
+    g = torch.Generator(device=dev).manual_seed(7 + b)
+    seqs = [("parts", i) for i in range(b)]
+    for s in seqs:
+        tokens = torch.randint(0, cfg.vocab_size, (CONTEXT,), generator=g, device=dev)
+        hidden = torch.randn(CONTEXT, h, generator=g, device=dev).to(torch.bfloat16)
+        head.prefill(s, tokens, hidden)
+    meta = head._plan({s: 1 for s in seqs})
+    (meta,) = _draft_metas(meta, b, 1, {})
+    tok = torch.randint(0, cfg.vocab_size, (b,), generator=g, device=dev)
+    hid = torch.randn(b, h, generator=g, device=dev).to(torch.bfloat16)
+    eps, zc = head.eps, head.zero_centered
+    x0 = ops.embedding_norm_concat(head.embed_tokens, tok, hid, head.norm_embedding, head.norm_hidden, eps, zc)
+    x = head.fc(x0)
+    xn = ops.rms_norm(x, head.input_layernorm, eps, zc)
+    a = head.attn(xn, meta, head.cache, 0)
+    fin = ops.rms_norm(a, head.post_attention_layernorm, eps, zc, residual=x.clone())
+    ffn = head.ffn
+    parts = {
+        "embedding_norm_concat": lambda: ops.embedding_norm_concat(head.embed_tokens, tok, hid, head.norm_embedding,
+                                                                   head.norm_hidden, eps, zc),
+        "fc (gemv)": lambda: head.fc(x0),
+        "input rms_norm": lambda: ops.rms_norm(x, head.input_layernorm, eps, zc),
+        "attention layer": lambda: head.attn(xn, meta, head.cache, 0),
+        "residual + rms_norm": lambda: ops.rms_norm(a, head.post_attention_layernorm, eps, zc, residual=x),
+    }
+    if hasattr(ffn, "gate_logits"):
+        logits = ffn.gate_logits(fin)
+        ids, w = ops.moe_route(logits, ffn.top_k, ffn.renormalize, shared_slot=ffn.experts.has_shared_slot)
+        parts["router gemv (F.linear)"] = lambda: ffn.gate_logits(fin)
+        parts["moe_route"] = lambda: ops.moe_route(logits, ffn.top_k, ffn.renormalize,
+                                                   shared_slot=ffn.experts.has_shared_slot)
+        parts["pair sort (argsort + cast)"] = lambda: torch.argsort(ids.view(-1), stable=True).to(torch.int32)
+        parts["moe_experts (incl. sort if T·k large)"] = lambda: ffn.experts(fin, ids, w, path="kernel",
+                                                                             out_dtype=torch.bfloat16)
+        parts["whole ffn"] = lambda: ffn(fin)
+    else:
+        parts["dense mlp"] = lambda: ffn(fin)
+    f = ffn(fin)
+    normed = ops.rms_norm(f, head.norm, eps, zc, residual=x.clone())
+    lg = head.logits(normed)
+    parts["final residual + rms_norm"] = lambda: ops.rms_norm(f, head.norm, eps, zc, residual=x)
+    parts["lm head (gemv)"] = lambda: head.logits(normed)
+    parts["argmax"] = lambda: ops.argmax(lg)
+    rows = []
+    for name, fn in parts.items():
+        us = time_cuda_graph(fn, warmup=2, iters=iters, calls_per_graph=20)
+        rows.append(dict(B=b, part=name, us=us))
+    for s in seqs:
+        head.free(s)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="35B-A3B NVFP4 full vocab, B ∈ {1, 32}, k = 1 only")
+    ap.add_argument("--parts", action="store_true",
+                    help="only the per-launch-group breakdown (35B-A3B NVFP4 full vocab, B ∈ {1, 32})")
     args = ap.parse_args()
     require_cuda("bench_mtp")
+    if args.parts:
+        head = build("35b-a3b", "nvfp4", 32)
+        rows = [r for b in (1, 32) for r in bench_parts(head, b, iters=10)]
+        write_results("bench_mtp_parts", rows, meta=dict(context=CONTEXT, note="graph-replayed, 20 calls per graph "
+                                                         "(L2-warm weights); µs per call"),
+                      columns=["B", "part", "us"])
+        return
     bw = copy_bandwidth_gbs()
     models = ["35b-a3b"] if args.quick else list(MODELS)
     formats = ["nvfp4"] if args.quick else ["nvfp4", "bf16"]
