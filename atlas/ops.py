@@ -431,15 +431,19 @@ PAGED_DECODE_MAX_Q_LEN = 8                # verify groups of up to 8 rows (kPage
 # Split-K rule, mirrored from csrc/paged_decode.h (paged_decode_split_cap / _max_splits): only
 # the workspace size depends on it here; the binding checks the size against the C++ rule.
 _PAGED_DECODE_MIN_SPLIT_LEN = 256
+_PAGED_DECODE_SHORT_SPLIT_LEN = 128
+_PAGED_DECODE_SHORT_SPLITS = 16
 _PAGED_DECODE_MAX_SPLITS = 128
 _PAGED_DECODE_TARGET_CTAS = 256
 
 
 def paged_decode_max_splits(capacity: int, num_kv_heads: int) -> int:
     """Split slots the workspace needs for sequences of ≤ capacity = max_blocks · bs tokens:
-    ceil(capacity / 256) capped at clamp(256 // nkv, 16, 128)."""
+    max(ceil(capacity / 256), min(ceil(capacity / 128), 16)) capped at clamp(256 // nkv, 16, 128)."""
     cap = max(16, min(_PAGED_DECODE_MAX_SPLITS, _PAGED_DECODE_TARGET_CTAS // max(num_kv_heads, 1)))
-    return max(1, min(cap, -(-capacity // _PAGED_DECODE_MIN_SPLIT_LEN)))
+    n = max(-(-capacity // _PAGED_DECODE_MIN_SPLIT_LEN),
+            min(-(-capacity // _PAGED_DECODE_SHORT_SPLIT_LEN), _PAGED_DECODE_SHORT_SPLITS))
+    return max(1, min(cap, n))
 
 
 def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -453,7 +457,7 @@ def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
     reshape_and_cache already wrote); query head h reads kv head h // (nq / nkv). Position p
     of sequence b is k_cache[block_tables[b, p // bs], p % bs]. FP8 caches hold
     float(k8) · k_scale per (token, kv head) row. CUDA: one tensor-core split-K kernel (+ a
-    small combine kernel when a sequence may span several 256-position splits), no host sync,
+    small combine kernel when a sequence may span several splits of 128–256 positions), no host sync,
     CUDA-graph capturable; a sequence's output does not depend on the rest of the batch, bit
     for bit (the splits of a sequence depend on its seq_len only).
 

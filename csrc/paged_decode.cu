@@ -60,7 +60,8 @@
 //
 // Floor (bytes moved): Σ_b L_b · nkv · hd · 2 (K and V) · elem (+ 2 · 4 per FP8 scale pair)
 //   + partial O when split (split mode: rows · hd · 4 · 2 per 256-position split ≈ 6% of bf16
-//   KV at 8 rows; fused mode: 1/8 of that). B = 1, L = 32K, nkv = 2, hd = 256, bf16: 67 MB
+//   KV at 8 rows, 12% for the 128-position splits of sequences ≤ 2K; fused mode: 1/8 of
+//   that). B = 1, L = 32K, nkv = 2, hd = 256, bf16: 67 MB
 //   → 15.6 µs at the H200's ≈ 4.3 TB/s copy bandwidth; FP8 34 MB (+0.5 MB scales) → 8.0 µs.
 //   Measured fraction: bench/NOTES.md (bench/bench_attention.py).
 //
@@ -89,7 +90,10 @@
 //       separate sector-pair requests per half line; the peers at the floor use .L2::128B.
 //       The combine of fused mode and of short tables (≤ 16 splits) runs as a flat kernel
 //       (4 elements per thread, no smem or barrier): 8× fewer, smaller CTAs than the staged
-//       kernel's 15.5 waves at B = 128 (see paged_decode_combine_flat_kernel). Same bits.
+//       kernel's 15.5 waves at B = 128 (see paged_decode_combine_flat_kernel). Short
+//       sequences split into 128-position splits (≤ 16 of them: L ≤ 4K, see paged_decode.h), so
+//       a short sequence's chain is 4 tiles instead of 8. Changes the bits of L ≤ 4K
+//       sequences vs v2 (still a function of L alone: batch invariance holds).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

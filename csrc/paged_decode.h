@@ -42,15 +42,23 @@ constexpr int kPagedDecodeMaxQLen = 8;
 // Split-K rule (flash-decoding). It depends on the sequence's own seq_len (and the layer's
 // kv-head count) only, never on the batch, so a sequence's output bits do not depend on what
 // else is in the batch. A sequence of L tokens gets
-//   nominal = clamp(ceil(L / kPagedDecodeMinSplitLen), 1, cap),   cap = paged_decode_split_cap(nkv)
+//   nominal = clamp(max(ceil(L / 256), min(ceil(L / 128), 16)), 1, cap),   cap = paged_decode_split_cap(nkv)
 // splits of chunk = round_up(ceil(L / nominal), kPagedDecodeTileN) positions; the count that
 // actually holds positions is ceil(L / chunk) ≤ nominal. cap = clamp(256 / nkv, 16, 128): at
 // B = 1 a long sequence still fills ~2 CTAs per SM of the H200's 132 (nkv · cap ≈ 256 CTAs),
 // while more kv heads need fewer splits, and so less partial-O traffic, to get there.
-constexpr int kPagedDecodeTileN = 32;         // KV positions per shared-memory tile
-constexpr int kPagedDecodeMinSplitLen = 256;  // 8 tiles; partial O ≈ 4·rows / (256·elem) of the KV bytes
-constexpr int kPagedDecodeMaxSplits = 128;    // largest cap (nkv ≤ 2)
-constexpr int kPagedDecodeTargetCtas = 256;   // kv heads × splits wanted for one long sequence
+// Short sequences (v3): 128-position splits up to 16 of them (L ≤ 2K; 16 splits up to 4K),
+// so a short sequence's critical path is 4 KV tiles, not 8: at B = 1 the KV is a few hundred
+// KB and the call is a chain of latencies (v2: B = 1 × 1K 13.7 µs, 8 CTAs × 8 tiles of
+// ~0.5 µs each), while the doubled partial traffic (≈ 8·rows / (256·elem) of the KV bytes)
+// costs < 0.1 µs there. The rule stays monotone in L (the max of two monotone terms), so the
+// count at the table's capacity bounds every sequence's count (the workspace size).
+constexpr int kPagedDecodeTileN = 32;           // KV positions per shared-memory tile
+constexpr int kPagedDecodeMinSplitLen = 256;    // 8 tiles; partial O ≈ 4·rows / (256·elem) of the KV bytes
+constexpr int kPagedDecodeShortSplitLen = 128;  // 4 tiles, for short sequences ...
+constexpr int kPagedDecodeShortSplits = 16;     // ... up to this many splits
+constexpr int kPagedDecodeMaxSplits = 128;      // largest cap (nkv ≤ 2)
+constexpr int kPagedDecodeTargetCtas = 256;     // kv heads × splits wanted for one long sequence
 
 struct PagedDecodeSplit {
   int chunk;  // positions per split, a multiple of kPagedDecodeTileN
@@ -62,10 +70,18 @@ __host__ __device__ inline int paged_decode_split_cap(int num_kv_heads) {
   return cap < 16 ? 16 : (cap > kPagedDecodeMaxSplits ? kPagedDecodeMaxSplits : cap);
 }
 
+// nominal split count for `len` ≥ 0 tokens (see the rule above); monotone in len.
+__host__ __device__ inline int paged_decode_nominal_splits(int64_t len, int cap) {
+  int64_t n = (len + kPagedDecodeMinSplitLen - 1) / kPagedDecodeMinSplitLen;
+  int64_t s = (len + kPagedDecodeShortSplitLen - 1) / kPagedDecodeShortSplitLen;
+  s = s < kPagedDecodeShortSplits ? s : kPagedDecodeShortSplits;
+  n = n > s ? n : s;
+  return n < 1 ? 1 : static_cast<int>(n > cap ? cap : n);
+}
+
 __host__ __device__ inline PagedDecodeSplit paged_decode_split(int seq_len, int cap) {
   const int len = seq_len > 0 ? seq_len : 0;
-  int nominal = (len + kPagedDecodeMinSplitLen - 1) / kPagedDecodeMinSplitLen;
-  nominal = nominal < 1 ? 1 : (nominal > cap ? cap : nominal);
+  const int nominal = paged_decode_nominal_splits(len, cap);
   const int per = ((len > 0 ? len : 1) + nominal - 1) / nominal;
   const int chunk = (per + kPagedDecodeTileN - 1) / kPagedDecodeTileN * kPagedDecodeTileN;
   const int count = len > 0 ? (len + chunk - 1) / chunk : 1;
@@ -75,9 +91,7 @@ __host__ __device__ inline PagedDecodeSplit paged_decode_split(int seq_len, int 
 // Workspace split slots for sequences of at most `capacity` = max_blocks · bs tokens: the
 // nominal count at the capacity bounds every sequence's count (it is monotone in L).
 __host__ __device__ inline int paged_decode_max_splits(int64_t capacity, int num_kv_heads) {
-  const int64_t cap = paged_decode_split_cap(num_kv_heads);
-  const int64_t n = (capacity + kPagedDecodeMinSplitLen - 1) / kPagedDecodeMinSplitLen;
-  return n < 1 ? 1 : static_cast<int>(n > cap ? cap : n);
+  return paged_decode_nominal_splits(capacity > 0 ? capacity : 0, paged_decode_split_cap(num_kv_heads));
 }
 
 // One or two launches on `stream` (attention, then the split combine when max_splits > 1);

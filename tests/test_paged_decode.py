@@ -159,8 +159,15 @@ def test_ops_cpu_out_and_lse():
 
 def test_max_splits_rule():
     assert ops.paged_decode_max_splits(1, 2) == 1
-    assert ops.paged_decode_max_splits(256, 2) == 1
-    assert ops.paged_decode_max_splits(257, 2) == 2
+    assert ops.paged_decode_max_splits(128, 2) == 1
+    assert ops.paged_decode_max_splits(129, 2) == 2          # short sequences: 128-position splits
+    assert ops.paged_decode_max_splits(256, 2) == 2
+    assert ops.paged_decode_max_splits(257, 2) == 3
+    assert ops.paged_decode_max_splits(2048, 2) == 16
+    assert ops.paged_decode_max_splits(4096, 2) == 16         # ≤ 16 of them, then 256 positions
+    assert ops.paged_decode_max_splits(4097, 2) == 17
+    assert all(ops.paged_decode_max_splits(c, 2) <= ops.paged_decode_max_splits(c + 1, 2)
+               for c in range(0, 40000, 7))                   # monotone: capacity bounds every L
     assert ops.paged_decode_max_splits(32768, 2) == 128
     assert ops.paged_decode_max_splits(10 ** 6, 1) == 128
     assert ops.paged_decode_max_splits(32768, 4) == 64      # ~256 CTAs for one sequence
@@ -248,7 +255,7 @@ KERNEL_CASES = [  # (B, max_len, bs, hd, nq, nkv, q_len): sampled, L = 32768 onl
     (3, 1000, 16, 128, 16, 1, 8),        # 128 rows per kv head: two row groups
     (3, 300, 16, 64, 16, 16, 1),         # group 1
     (128, 17, 16, 64, 8, 8, 3),
-    (128, 1000, 16, 256, 24, 4, 1),      # fused mode: one CTA folds each sequence's 4 splits
+    (128, 1000, 16, 256, 24, 4, 1),      # fused mode: one CTA folds each sequence's 8 splits
     (64, 3000, 16, 64, 8, 8, 1),         # fused mode with 2 split groups + combine
     (1, 32768, 16, 256, 16, 2, 1),
     (1, 32768, 16, 256, 24, 4, 3),

@@ -200,7 +200,7 @@ int main() {
       {1, 1, 16, 128, 16, 2, 1, false, false},
       {3, 17, 16, 256, 16, 2, 1, false, false},
       {3, 17, 16, 256, 16, 2, 1, true, false},
-      {3, 300, 7, 64, 8, 8, 3, false, false},      // bs 7, 2 splits, group 1
+      {3, 300, 7, 64, 8, 8, 3, false, false},      // bs 7, 3 splits, group 1
       {3, 300, 7, 64, 8, 8, 3, true, false},
       {4, 1000, 528, 128, 24, 4, 8, false, false}, // 48 rows → 4 row tiles
       {4, 1000, 528, 128, 24, 4, 8, true, false},
