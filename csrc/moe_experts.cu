@@ -25,8 +25,12 @@
 //     in shared memory (bf16), then
 //     each warp computes rows n of gate AND up (same x chunk for both), xor-shuffle sums, and
 //     lane 0 stores act[p, n].
-//   down:    grid (ceil(h / 16), T). CTA (n-tile, t) stages act[t·k .. t·k + k−1] (k·I bf16),
-//     each warp computes row n for the k experts of token t in slot order and accumulates
+//   down:    grid (T, ceil(h / 16)) — tokens fastest (v2), so the CTAs of one n-tile run back to
+//     back for all T tokens and an expert hit by several tokens is read from DRAM once (its 16
+//     rows of that tile, 4.6 KB NVFP4, stay in L2; v1's n-tile-fastest order streamed each
+//     token's experts whole, ≈ 151 MB instead of ≈ 96 MB distinct at 32 rows × top-8).
+//     CTA (t, n-tile) stages act[t·k .. t·k + k−1] (k·I bf16), ids, weights and the slots'
+//     global scales; each warp computes row n for the k experts of token t in slot order and accumulates
 //     weights[t, j] · bf16(dot) in float32; lane 0 stores out[t, n].
 //   Weight chunk = 16 bytes: NVFP4 32 elements (+ 2 e4m3 block scales), BF16 8 elements.
 //   NVFP4 decode: 4-bit code → float through a 16-entry table in shared memory (16 distinct
@@ -180,7 +184,12 @@ struct Nvfp4Weights {
 constexpr int kGateUpCpl = 2;
 constexpr int kDownCpl = 1;
 // Experts of one token whose chunks a down warp loads together: ≥ 9 = Qwen3.5/3.6's top-8 + the
-// shared slot, so a row is one group (ptxas: registers in the header note below).
+// shared slot, so a row is one group. ptxas (sm_90, no spills): gate_up 80 registers under
+// __launch_bounds__(256, 3) (3 CTAs/SM; 124 unbounded = 2 CTAs/SM, and the B = 1 grid of 288
+// CTAs would spill into a second wave of 264 slots); down 100 NVFP4 / 86 BF16 (2 CTAs/SM).
+// Bytes in flight per SM, NVFP4 35B-A3B: gate_up 24 warps × 4 dots × 1 KB ≈ 96 KB, down 16 warps
+// × 9 dots × 256 B ≈ 37 KB — above the ≈ 32 KB Little's law asks for (v1: one dot per warp at a
+// time, ≤ 16 KB at full occupancy, and at B = 1 only 128 down CTAs × 8 warps × 256 B = 2 KB/SM).
 constexpr int kDownGroup = 12;
 
 __device__ __forceinline__ void fill_e2m1_table(float* lut) {
@@ -261,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gate_up_kernel(
   }
 }
 
-// grid (ceil(h / kRowsPerCta), T): out[t, n] = Σ_j weights[t, j] · bf16(down_{ids[t,j]}[n] · act[t·k+j]).
+// grid (T, ceil(h / kRowsPerCta)): out[t, n] = Σ_j weights[t, j] · bf16(down_{ids[t,j]}[n] · act[t·k+j]).
 // A warp owns rows n0, n0+1; per row, per group of ≤ kDownGroup slots, per window of I: it loads
 // the group's fragments, then accumulates them; the weighted sum runs over j in slot order (v1).
 template <typename W>
@@ -282,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(
   int32_t* ids_s = reinterpret_cast<int32_t*>(as + top_k * inter);              // [k]
   float* w_s = reinterpret_cast<float*>(ids_s + top_k);                         // [k]
   float* gs_s = w_s + top_k;                                                    // [k] global scales
-  const int64_t t = blockIdx.y;
+  const int64_t t = blockIdx.x;
   fill_e2m1_table(lut);
   pdl_wait();                  // act comes from the gate_up pass
   pdl_launch_dependents();
@@ -299,7 +308,7 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(
   const int chunks = inter / W::kElemsPerChunk;
 #pragma unroll 1
   for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int n = blockIdx.x * kRowsPerCta + warp * kRowsPerWarp + i;
+    const int n = blockIdx.y * kRowsPerCta + warp * kRowsPerWarp + i;
     if (n >= hidden) break;
     float acc = 0.f;
 #pragma unroll 1
@@ -359,7 +368,7 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, cudaStream_t stream) {
                                    dim3(kThreads), gate_smem, stream, static_cast<const __nv_bfloat16*>(a.x), a.ids,
                                    a.pair_order, a.gate, a.up, static_cast<__nv_bfloat16*>(a.act), a.top_k,
                                    a.num_experts, a.hidden, a.inter));
-  return launch_pdl(moe_down_kernel<W>, dim3(ceil_div(a.hidden, kRowsPerCta), static_cast<unsigned>(a.num_tokens)),
+  return launch_pdl(moe_down_kernel<W>, dim3(static_cast<unsigned>(a.num_tokens), ceil_div(a.hidden, kRowsPerCta)),
                     dim3(kThreads), down_smem, stream, static_cast<const __nv_bfloat16*>(a.act), a.ids, a.weights,
                     a.down, static_cast<const __nv_bfloat16*>(a.shared),
                     static_cast<const __nv_bfloat16*>(a.shared_gate), a.shared_gate_stride, a.out_bf16, a.out, a.top_k,
