@@ -41,6 +41,12 @@
 // filled before waiting for the previous kernel (moe_route / the gate_up pass), every global
 // access comes after the wait, and the next kernel may launch at once.
 //
+// Versions (bench: python bench/bench_mtp.py [--quick | --parts]; tests: tests/test_moe_route.py,
+// csrc/tests/test_mtp_kernels.cu):
+//   v1: one warp per output row, one dot at a time (load 1–2 chunks → math → reduce → next dot).
+//   v2: load phase for all of a warp's dots before the math (bit-identical; see "v2" below);
+//       ids / weights / scales staged in smem; down grid tokens-fastest.
+//
 // Floor: bytes = T·k · (2·I·h + h·I) · B_w (B_w = 9/16 NVFP4, 2 BF16; capped at E experts)
 //   + x, act, out. 35B-A3B, B = 1, NVFP4: 8 · 3 · 512·2048 · 9/16 = 14.2 MB → 3.3 µs at 4.3 TB/s.
 #include <cuda_bf16.h>
@@ -90,8 +96,9 @@ struct Frag {
 };
 
 // Weight policies: kElemsPerChunk, load(frag) and accumulate(frag, acc) of one window,
-// global_scale(e) (read by the kernels with the chunks, not after the reduce) and finish (× it). The dot of `vec` (K bf16 values in shared memory) with weight row n of
-// expert e is: acc = 0; for each window {load; accumulate}; finish(warp_sum(acc)).
+// global_scale(e) (1 for BF16) and finish(gs, sum) (× it). The dot of `vec` (K bf16 values in
+// shared memory) with weight row n of expert e is:
+//   acc = 0; for each window {load; accumulate}; finish(global_scale(e), warp_sum(acc)).
 struct Bf16Weights {
   static constexpr int kElemsPerChunk = 8;
   template <int kCpl>
