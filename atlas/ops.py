@@ -370,17 +370,7 @@ def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tens
                              f"{cache.storage_offset()}")
     check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, shape=(t,), device=key.device,
                  what="[T]")
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not fp8:
-            if scale is not None:
-                raise ValueError(f"{op}: {name} must be None for a bf16 cache, got a tensor")
-            continue
-        if scale is None:
-            raise ValueError(f"{op}: {name} float32 [num_blocks, bs, nkv] is required for a "
-                             f"float8_e4m3fn cache, got None")
-        check_tensor(op, name, scale, dtype=torch.float32, shape=(num_blocks, bs, nkv),
-                     device=key.device, contiguous=True, what="[num_blocks, bs, nkv]")
+    fp8 = _check_kv_scales(op, k_cache, k_scale, v_scale, nkv, key.device)
     if not slot_mapping.is_cuda and t > 0:  # a CUDA tensor would need a sync: the kernel skips
         top = int(slot_mapping.max())
         if top >= num_blocks * bs:
@@ -390,6 +380,24 @@ def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tens
         torch.ops.atlas.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
         reference.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def _check_kv_scales(op: str, k_cache: Tensor, k_scale, v_scale, nkv: int, device) -> bool:
+    """FP8 caches need k_scale / v_scale float32 [num_blocks, bs, nkv] (one scale per (token,
+    kv head)); BF16 caches take none. Returns whether the cache is FP8."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    num_blocks, bs = k_cache.shape[:2]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not fp8:
+            if scale is not None:
+                raise ValueError(f"{op}: {name} must be None for a bf16 cache, got a tensor")
+            continue
+        if scale is None:
+            raise ValueError(f"{op}: {name} float32 [num_blocks, bs, nkv] is required for a "
+                             f"float8_e4m3fn cache, got None")
+        check_tensor(op, name, scale, dtype=torch.float32, shape=(num_blocks, bs, nkv), device=device,
+                     contiguous=True, what="float32 [num_blocks, bs, nkv]")
+    return fp8
 
 
 def _check_kv_rows(op: str, name: str, x: Tensor) -> None:
@@ -540,17 +548,7 @@ def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
         raise TypeError(f"{op}: softmax_scale must be a Python float, got {type(softmax_scale).__name__}")
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"{op}: softmax_scale must be finite and > 0, got {softmax_scale}")
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not fp8:
-            if scale is not None:
-                raise ValueError(f"{op}: {name} must be None for a bf16 cache, got a tensor")
-            continue
-        if scale is None:
-            raise ValueError(f"{op}: {name} float32 [num_blocks, bs, nkv] is required for a "
-                             f"float8_e4m3fn cache, got None")
-        check_tensor(op, name, scale, dtype=torch.float32, shape=(num_blocks, bs, nkv), device=dev,
-                     contiguous=True, what="[num_blocks, bs, nkv]")
+    fp8 = _check_kv_scales(op, k_cache, k_scale, v_scale, nkv, dev)
     if out is not None:
         check_tensor(op, "out", out, dtype=torch.bfloat16, shape=tuple(query.shape), device=dev,
                      contiguous=True, what="bf16 shaped like query, contiguous")
@@ -769,17 +767,7 @@ def qk_norm_rope(q: Tensor, k: Tensor, v: Tensor, q_norm_weight: Tensor, k_norm_
     check_tensor(op, "v_cache", v_cache, dtype=k_cache.dtype, shape=tuple(k_cache.shape), device=dev,
                  contiguous=True, what="like k_cache")
     num_blocks, bs = k_cache.shape[:2]
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not fp8:
-            if scale is not None:
-                raise ValueError(f"{op}: {name} must be None for a bf16 cache, got a tensor")
-            continue
-        if scale is None:
-            raise ValueError(f"{op}: {name} float32 [num_blocks, bs, nkv] is required for a "
-                             f"float8_e4m3fn cache, got None")
-        check_tensor(op, name, scale, dtype=torch.float32, shape=(num_blocks, bs, nkv), device=dev,
-                     contiguous=True, what="float32 [num_blocks, bs, nkv]")
+    fp8 = _check_kv_scales(op, k_cache, k_scale, v_scale, nkv, dev)
     if not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool):
         raise TypeError(f"{op}: rotary_dim must be an int, got {type(rotary_dim).__name__}")
     if rotary_dim < 0 or rotary_dim % 2 != 0 or rotary_dim > hd:
