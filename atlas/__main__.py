@@ -456,13 +456,11 @@ def cmd_draft_bench(args) -> int:
                 mtp.prefill(s, tokens, hidden)
             last = torch.randint(0, cfg.vocab_size, (b,), generator=gen).to(device)
             hid = torch.randn(b, cfg.hidden_size, generator=gen).to(device, torch.bfloat16)
-            no_rows = (torch.empty(0, cfg.hidden_size, dtype=torch.bfloat16, device=device),
-                       torch.empty(0, dtype=torch.int64, device=device))
 
-            def settle():                        # the target "rejects" every draft: KV back to P rows
-                for s in seq_ids:
+            def settle():                        # undo the propose entirely: KV back to P rows, so
+                for s in seq_ids:                # every timed propose repeats the same work
                     try:
-                        mtp.accept(s, 0, *no_rows)
+                        mtp.cancel_propose([s])
                     except ValueError:           # nothing pending (a failed capture)
                         pass
 
@@ -480,7 +478,7 @@ def cmd_draft_bench(args) -> int:
             settle()
             use_graph = gpu and mode == "graph replay"
 
-            def cycle():                         # one full propose() + accept(): host planning included
+            def cycle():                         # one full propose() + cancel_propose(): host planning included
                 mtp.propose(seq_ids, last, hid, drafts, use_graph=use_graph)
                 settle()
 
@@ -516,7 +514,7 @@ def cmd_draft_bench(args) -> int:
     if bw:
         print(f"floor = bytes per draft / measured copy bandwidth {bw:.0f} GB/s; bytes = weights read once "
               "per step (distinct experts expected for the batch) + each row's KV; µs/cycle = one "
-              "propose() + accept() on the host clock (planning, copies and replay)")
+              "propose() + cancel_propose() on the host clock (planning, copies and replay)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"source": source, "device": torch.cuda.get_device_name(0) if gpu else "cpu (reference path)",
