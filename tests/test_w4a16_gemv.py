@@ -264,6 +264,24 @@ def test_n_rows_prefix(n, k, n_rows, m):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("k", [5120, 1024, 4112])
+@pytest.mark.parametrize("m", [1, 9, 32])
+def test_split_policy_bitwise(k, m):
+    """The launcher picks the split of K from N (one CTA per row group over all of K for a large
+    N, 2 segments per CTA, or one); row prefixes of one weight that land on each choice (on the
+    H200: 25600 rows → 1 split, 6400 → 2 segments per CTA at K = 5120, 640 → one) agree bitwise."""
+    q, x = _cuda_case(25600, k, m, key="splits")
+    full = ops.w4a16_gemv(x, q, out_dtype=torch.float32)
+    for n_rows in (6400, 640, 17):
+        out = poison_(torch.empty(m, n_rows, dtype=torch.float32, device="cuda"))
+        y = ops.w4a16_gemv(x, q, out_dtype=torch.float32, n_rows=n_rows, out=out)
+        assert torch.equal(y, full[:, :n_rows]), f"n_rows={n_rows}"
+    # M ≤ 8 may pick 2-warp CTAs where M > 8 keeps 4: the first row is still the 1-row result
+    assert torch.equal(ops.w4a16_gemv(x[:1].clone(), q, out_dtype=torch.float32), full[:1])
+    _check(full, x, q, torch.float32)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("nq,hd,k", [(24, 256, 5120), (16, 256, 2048), (2, 16, 48)])
 @pytest.mark.parametrize("m", [1, 4, 32])
 def test_qg_bitwise_vs_unfused(nq, hd, k, m):
