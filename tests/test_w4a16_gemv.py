@@ -1,7 +1,12 @@
 """w4a16_gemv family: the reference against an independent float64 oracle and the op semantics
 on CPU; validation errors; on a GPU the kernels against the reference, batch invariance over
 M, every fused variant bitwise against its unfused composition, and CUDA-graph replay."""
+import os
+import re
+import shutil
+import subprocess
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -343,3 +348,65 @@ def _poison_allocator(numel: int) -> None:
     t = torch.empty(max(numel, 1) * 2, dtype=torch.float32, device="cuda")
     t.fill_(float("nan"))
     del t
+
+
+# =============================================================================================
+# Built extension (no GPU needed): the SASS has no undefined cache-descriptor read
+# =============================================================================================
+
+def _cuobjdump():
+    exe = shutil.which("cuobjdump")
+    if exe:
+        return exe
+    candidates = [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "cuobjdump"]
+    try:
+        import triton  # ships a cuobjdump for its own use
+        candidates.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    except Exception:
+        pass
+    return next((str(c) for c in candidates if c.is_file()), None)
+
+
+def undefined_descriptor_reads(sass: str) -> list:
+    """(function, [n]) for each function of a `cuobjdump -sass` listing that reads a cache
+    descriptor desc[URn] with no instruction writing URn (64-bit writes cover URn and URn+1)."""
+    bad = []
+    for fn in re.split(r"\n\s+Function : ", sass)[1:]:
+        name = fn.split("\n", 1)[0].strip()
+        uses = {int(n) for n in re.findall(r"desc\[UR(\d+)\]", fn)}
+        defs = set()
+        for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?((?:U|R2UR|S2UR|LDCU)[\w.]*)\s+UR(\d+)", fn):
+            defs.add(int(m.group(2)))
+            if ".64" in m.group(1):
+                defs.add(int(m.group(2)) + 1)
+        missing = sorted(uses - defs)
+        if missing:
+            bad.append((name, missing))
+    return bad
+
+
+def test_undefined_descriptor_detector():
+    """The detector flags the ptxas 13.x miscompile's signature and passes a defined read."""
+    broken = ("\n        Function : k\n        /*0850*/  LDGSTS.E.BYPASS.128 [R21+UR0], "
+              "desc[UR1][R12.64], !P5 ;\n")
+    fine = ("\n        Function : k\n        /*0010*/  ULDC.64 UR4, c[0x0][0x208] ;\n"
+            "        /*0560*/  LDGSTS.E.BYPASS.128 [R13], desc[UR4][R8.64], !P2 ;\n")
+    assert undefined_descriptor_reads(broken) == [("k", [1])]
+    assert undefined_descriptor_reads(fine) == []
+
+
+@pytest.mark.skipif(not atlas._ext.extension_built(), reason="atlas._C is not built")
+def test_sass_cache_descriptors_defined():
+    """Every global access's cache descriptor desc[URn] in atlas._C is written in its function.
+    ptxas 13.x on sm_90 can drop a createpolicy while keeping the cp.async.L2::cache_hint users,
+    which then trap with cudaErrorIllegalInstruction (w4a16_gemv v2, H200 run 6; the same bug as
+    IST-DASLab/marlin#44): this catches it on any machine that builds the extension."""
+    exe = _cuobjdump()
+    if exe is None:
+        pytest.skip("no cuobjdump")
+    so = atlas._ext._C.__file__
+    sass = subprocess.run([exe, "-sass", so], capture_output=True, text=True, timeout=900).stdout
+    if "Function : " not in sass:
+        pytest.skip("no SASS in the extension")
+    bad = undefined_descriptor_reads(sass)
+    assert not bad, f"undefined cache-descriptor reads: {bad[:5]}"
