@@ -521,9 +521,11 @@ def cmd_draft_bench(args) -> int:
             "weight_format": args.weight_format, "kv_dtype": args.kv_dtype, "prompt_len": prompt_len,
             "drafts": drafts, "iters": iters, "mtp_vocab_size": args.mtp_vocab_size, "copy_bandwidth_gbs": bw,
             "torch": torch.__version__, "atlas": atlas.__version__}
-    (out / "draft_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"results: {out / 'draft_bench.json'}")
-    print(_plot(rows, out / "draft_bench.png", title))
+    # A CPU run (tiny reference config) never overwrites the GPU results committed beside it.
+    stem = "draft_bench" if gpu else "draft_bench_cpu"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"results: {out / f'{stem}.json'}")
+    print(_plot(rows, out / f"{stem}.png", title))
     return 0
 
 

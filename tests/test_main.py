@@ -53,10 +53,10 @@ def test_draft_bench_tiny_on_cpu(tmp_path):
              "--out", str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "reference path" in r.stdout
-    res = json.loads((tmp_path / "draft_bench.json").read_text())
+    res = json.loads((tmp_path / "draft_bench_cpu.json").read_text())   # CPU runs get their own name
     assert [row["batch"] for row in res["rows"]] == [1, 2]
     assert all(row["us_per_draft"] > 0 for row in res["rows"])
-    assert (tmp_path / "draft_bench.png").exists() or "matplotlib not installed" in r.stdout
+    assert (tmp_path / "draft_bench_cpu.png").exists() or "matplotlib not installed" in r.stdout
 
 
 def test_draft_bytes_by_hand():
