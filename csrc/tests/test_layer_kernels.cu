@@ -17,14 +17,13 @@
 #include <random>
 #include <vector>
 
+#include "driver.h"
 #include "qk_norm_rope.h"
 #include "rms_norm.h"
 #include "sigmoid_gate.h"
 
 namespace {
 
-#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-  std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); return 1; } } while (0)
 
 float bf(__nv_bfloat16 x) { return __bfloat162float(x); }
 
@@ -245,11 +244,7 @@ int run_sigmoid_gate(int t, int heads, int hd, std::mt19937& rng) {
 }  // namespace
 
 int main() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device: skipped\n");
-    return 77;
-  }
+  if (atlas_test::no_cuda_device()) return atlas_test::kSkipped;
   std::mt19937 rng(1234);
   int failed = 0;
   for (const QkCase& c : {QkCase{1, 16, 2, 256, 64, false}, QkCase{9, 24, 4, 256, 64, true}, QkCase{33, 32, 8, 128, 128, false},

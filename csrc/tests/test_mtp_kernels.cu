@@ -17,6 +17,7 @@
 #include <random>
 #include <vector>
 
+#include "driver.h"
 #include "argmax.h"
 #include "embedding.h"
 #include "moe_experts.h"
@@ -24,8 +25,6 @@
 
 namespace {
 
-#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-  std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); return 1; } } while (0)
 #define EXPECT(cond, ...) do { if (!(cond)) { std::printf("FAIL %s:%d: ", __FILE__, __LINE__); \
   std::printf(__VA_ARGS__); std::printf("\n"); return 1; } } while (0)
 
@@ -376,11 +375,7 @@ int test_moe_experts(std::mt19937& rng) {
 }  // namespace
 
 int main() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device: skipped\n");
-    return 77;
-  }
+  if (atlas_test::no_cuda_device()) return atlas_test::kSkipped;
   std::mt19937 rng(1234);
   if (test_argmax(rng) || test_moe_route(rng) || test_embedding(rng) || test_moe_experts(rng)) return 1;
   std::printf("all MTP kernel checks passed\n");

@@ -19,12 +19,11 @@
 #include <random>
 #include <vector>
 
+#include "driver.h"
 #include "paged_decode.h"
 
 namespace {
 
-#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-  std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); return 1; } } while (0)
 
 struct Case { int batch, max_len, bs, hd, nq, nkv, q_len; bool fp8; bool bad_ids; };
 
@@ -190,11 +189,7 @@ int run_case(const Case& c, std::mt19937& rng) {
 }  // namespace
 
 int main() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device: skipped\n");
-    return 77;
-  }
+  if (atlas_test::no_cuda_device()) return atlas_test::kSkipped;
   std::mt19937 rng(1234);
   const Case cases[] = {
       {1, 1, 16, 128, 16, 2, 1, false, false},

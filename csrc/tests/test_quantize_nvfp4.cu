@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "driver.h"
 #include "quantize_nvfp4.h"
 
 namespace {
@@ -25,8 +26,6 @@ float host_e4m3_decode(uint8_t b) {
   return __half2float(__half(h));
 }
 
-#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-  std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); return 1; } } while (0)
 
 int run_case(int n, int k, std::vector<__nv_bfloat16> w) {
   std::vector<float> x(w.size());
@@ -67,8 +66,7 @@ int run_case(int n, int k, std::vector<__nv_bfloat16> w) {
 }  // namespace
 
 int main() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) { std::printf("no CUDA device: skipped\n"); return 77; }
+  if (atlas_test::no_cuda_device()) return atlas_test::kSkipped;
   std::mt19937 rng(1234);
   std::normal_distribution<float> normal(0.f, 1.f);
   int failures = 0;

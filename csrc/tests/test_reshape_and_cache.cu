@@ -15,12 +15,11 @@
 #include <random>
 #include <vector>
 
+#include "driver.h"
 #include "reshape_and_cache.h"
 
 namespace {
 
-#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-  std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); return 1; } } while (0)
 
 struct Case { int t, nkv, hd, bs, num_blocks; bool fp8; };
 
@@ -122,11 +121,7 @@ int run_case(const Case& c, std::mt19937& rng) {
 }  // namespace
 
 int main() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device: skipped\n");
-    return 77;
-  }
+  if (atlas_test::no_cuda_device()) return atlas_test::kSkipped;
   std::mt19937 rng(1234);
   const Case shapes[] = {
       {1, 4, 256, 16, 2},   {7, 2, 256, 528, 1},  {300, 8, 128, 16, 40}, {64, 3, 8, 16, 8},

@@ -13,10 +13,12 @@
 #include <random>
 #include <vector>
 
+#include "driver.h"
 #include "w4a16_gemv.h"
 
 namespace {
 
+#undef CHECK
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
   std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); std::exit(1); } } while (0)
 
@@ -222,8 +224,7 @@ void run_dual_and_qg(std::mt19937& rng) {
 }  // namespace
 
 int main() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) { std::printf("no CUDA device: skipped\n"); return 77; }
+  if (atlas_test::no_cuda_device()) return atlas_test::kSkipped;
   std::mt19937 rng(4321);
   // vector path (K % 128 == 0) and generic path (K % 128 != 0); N odd, 1, tails of 16 rows
   for (auto [n, k] : {std::pair{1, 16}, {17, 48}, {33, 4112}, {100, 272}, {77, 2048}, {513, 512}, {40, 5120}}) {
