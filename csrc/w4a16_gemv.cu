@@ -4,16 +4,21 @@
 // Decomposition (one tensor-core kernel for every M; swap-AB: Y^T = W · X^T)
 //   mma.sync.m16n8k16 bf16 → f32 with the WEIGHT as the A operand (16 rows n × 16 k) and the
 //   activations as B (16 k × 8 rows of x): M ≤ 32 is 1..4 n8 tiles (template MT = ceil(M/8)).
-//   grid  (S, groups): blockIdx.x = split of K (cluster rank; S = w4a16_gemv_k_splits(K) ≤ 8,
-//         a function of K only), blockIdx.y = a group of 16·W weight rows (dual: the groups of
-//         weight 0, then those of weight 1).
+//   grid  (S, groups): blockIdx.x = split of K (cluster rank when S > 1), blockIdx.y = a group
+//         of 16·W weight rows (dual: the groups of weight 0, then those of weight 1).
+//   K segments: K is cut into w4a16_gemv_k_splits(K) ≤ 8 segments (a function of K only); a
+//         row's result is 0 + p_0 + p_1 + … in segment order (f32), p_j its segment partials.
+//         S (per launch, from N) is 1 (one CTA walks every segment, keeping the running sum:
+//         large N, e.g. LM heads), segs/2 (2 segments per CTA) or segs (1 per CTA), the fewest
+//         giving ≥ 3 four-warp CTAs per SM. Every S gives the same bits (SplitPlan).
 //   block W warps (W = 1, 2 or 4, picked from N so ≥ 2 CTAs per SM exist); warp w owns the
 //         16-row tile (group·W + w) and all M columns, over the CTA's contiguous K range.
 //   lane  (g = lane/4, t = lane%4) holds rows g and g+8 of its tile; per 128-k chunk it owns the
 //         32 contiguous k [32t, 32t+32) of each row: one 16-byte smem load per row.
 //   K permutation: inside a chunk, mma step (w, h) (w = word 0..3, h = 0..1) feeds logical k
 //         pair (2t, 2t+1) with physical k (8w+2h, 8w+2h+4) + 32t and pair (2t+8, 2t+9) with
-//         (8w+2h+1, 8w+2h+5) + 32t; the B fragment is built (prmt) with the same permutation.
+//         (8w+2h+1, 8w+2h+5) + 32t; the activations are permuted the same way (prmt) once per
+//         CTA when their stage lands, so the mma loop reads B fragments as they are.
 //         The per-row op order depends on K only, so a row is bit-identical for every M.
 //   dequant: nibbles i and i+4 of a 32-bit word are 16 bits apart, so one shift puts both at
 //         bits 12..15 / 28..31, and (v & 0x80008000) | ((v >> 6) & 0x01C001C0) is the bf16x2
@@ -21,29 +26,42 @@
 //         F = bf16(block_scale · 2^119) gives e2m1 · scale · 2^-7 ∈ [2^-17, 21]: normal, exact
 //         (≤ 6 significant bits). The 2^7 and the global scale are applied once, in f32, on the
 //         store: y = acc · (global_scale · 128). Nothing over- or underflows for any e4m3 scale.
-//   pipeline: 5 stages of cp.async (weights and scales with an L2 evict-first policy: they are
-//         read once; activations default policy: every row group re-reads them), one barrier
+//         19 instructions per word (8 weights), 15 of them bit ops on the 16-lane ALU/IMAD
+//         pipes: the sign and the magnitude of a code need different shifts (source offsets
+//         differ by 1 bit, bf16 targets by 7) and other codes' bits must be masked, so no
+//         shift/mask pair is shared between pairs in the checkpoint layout.
+//   pipeline: 5 stages of cp.async (no L2 cache-hint policy: see cp_async8 for the ptxas
+//         miscompile that v1's evict-first descriptor triggers in v2's code), one barrier
 //         per 128-k chunk. A stage holds W·16 rows × 64 B of packed weight, W·16 × 8 scale
 //         bytes and MT·8 rows × 256 B of activations (16-byte units XOR-swizzled so the B
-//         fragment loads are bank-conflict free). silu variant: raw gate/up are staged and
-//         converted to the bf16 activation one stage ahead (f32 silu·up, RNE to bf16).
+//         fragment loads are bank-conflict free). Activations are converted one stage ahead
+//         (plain: the B-fragment permutation, in place; silu: raw gate/up → f32 silu·up, RNE to
+//         bf16, permuted). Each thread's copy plan (2 weight pieces, 1 scale piece, its
+//         activation units) is fixed per CTA and advanced by a constant per chunk.
 //   launch: programmatic dependent launch. The prologue's weight and scale loads are issued
 //         before griddepcontrol.wait (weights are constants: no kernel before this one writes
 //         them), activations and outputs only after it; launch_dependents after the main loop
 //         lets the next kernel's prologue overlap this epilogue.
-//   split-K: S CTAs of a cluster each sum a contiguous K range; partials [16W, 8MT] f32 go to
-//         shared memory and rank r sums elements r, r+S·threads, … over ranks 0..S−1 in order
+//   split-K (S > 1): the S CTAs of a cluster store their segment partials [spc][16W, 8MT] f32 in
+//         shared memory; rank r sums elements r, r+S·threads, … over all segments in order
 //         through distributed shared memory (fixed order: deterministic, no atomics).
 //   tails: rows ≥ n and (generic path) k ≥ K are zero-filled by cp.async; K % 128 == 0 with
 //         16-byte-aligned rows takes the vector path, any K % 16 == 0 the generic one.
+//         Activation rows ≥ M in the last n8 tile are never written: they feed only output
+//         columns ≥ M (mma columns are independent), which are never stored.
 //
-// Floor: bytes = N·K/2 + N·K/16 (+ M·K·2 + M·N·2); 14336×5120 ⇒ 41.3 MB ⇒ 9.6 µs at 4.3 TB/s
-//   (measured fraction: see bench/NOTES.md, bench/bench_gemv.py).
-// Issue budget at 4.3 TB/s on 132 SMs: ≈ 7.8 thread-instructions per weight byte; this kernel
-//   spends ≈ 6 at M = 1 (dequant 19 per 8 weights, the rest loads, prmt, mma, scales).
+// Floor: bytes = N·K/2 + N·K/16 (+ M·K·2 + M·N·2); 14336×5120 ⇒ 41.3 MB ⇒ 9.9 µs at the
+//   H200's measured 4.19 TB/s copy bandwidth (measured fractions: bench/NOTES.md, results/gemv.md).
+// Issue budget at 4.19 TB/s on 132 SMs × 4 schedulers at 1.98 GHz: ≈ 8 thread-instructions per
+//   weight + scale byte (one warp-instruction per 144 bytes). Per 128-k chunk and warp
+//   (1152 bytes) v1 issued ≈ 420 warp-instructions (≈ 12 per byte: issue-bound, measured 0.42
+//   of copy bandwidth on the 715 MB LM head); v2 issues ≈ 280 at M = 1 (152 dequant, 8 mma,
+//   14 scale conversion, ≈ 50 copy issue, barrier and loop, ≈ 50 loads and addressing) and
+//   ≈ 360 at M = 32 (32 mma).
 #include "w4a16_gemv.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -64,8 +82,9 @@ constexpr int kXRowBytes = kChunkK * 2;      // 256 activation bytes per row per
 constexpr int kXUnits = kXRowBytes / 16;     // 16 units of 8 bf16 per activation row
 constexpr int kStages = 5;                   // cp.async pipeline depth: a CTA with ≤ 4 chunks
                                              // (K ≤ 512, or 2048 split 4 ways) has all in flight at once
-static_assert(kStages >= 3, "silu converts one stage ahead of the one computed");
+static_assert(kStages >= 3, "activations are converted one stage ahead of the one computed");
 constexpr int kMaxWarps = 4;
+constexpr int kMaxSplits = 8;              // cluster size limit (portable)
 constexpr int kMaxDevices = 64;             // per-device launch attribute bookkeeping
 constexpr float kScaleBias = 0x1p119f;       // block scale · 2^119 fits bf16 (448·2^119 < 2^128)
 constexpr float kOutBias = 0x1p7f;           // 2^-126 (e2m1 trick) · 2^119 = 2^-7, undone on store
@@ -91,6 +110,19 @@ __host__ __device__ inline StageLayout stage_layout(int warps, int mt, bool silu
   return l;
 }
 
+// How the K segments of one row group are spread over the CTAs of a launch. The segments are
+// fixed by K alone (w4a16_gemv_k_splits(K) of them, seg_chunks chunks each, the last ones
+// possibly short or empty), and a row's result is always 0 + p_0 + p_1 + … + p_{S−1} over its
+// segment partials p_j in order (f32), so the split below may depend on N: every choice is
+// bitwise the same. splits == 1: one CTA walks all segments, keeping the running sum;
+// splits > 1: a cluster of `splits` CTAs, each with segs_per_cta (1 or 2) consecutive
+// segments, summed through distributed shared memory in segment order.
+struct SplitPlan {
+  int seg_chunks;     // 128-k chunks per segment
+  int segs_per_cta;   // segments one CTA computes (num_segs when splits == 1)
+  int num_segs;       // w4a16_gemv_k_splits(K)
+};
+
 // Activation unit u = 4t + w of row r (k = 8u .. 8u+8 of the chunk) lives at this 16-byte slot.
 // A quarter-warp (rows g, g+1; t = 0..3) reading word w then hits 8 distinct 4-bank groups.
 __host__ __device__ inline int x_slot(int r, int u) {
@@ -103,29 +135,24 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Weights and scales are read exactly once: evict-first keeps the activations resident in L2.
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-
-// 16-byte async copy; src_bytes = 0 zero-fills without reading.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+// 16-byte async copy to shared address `dst` (a 32-bit shared-window address: no generic →
+// shared conversion per copy); src_bytes = 0 zero-fills without reading.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"(smem_u32(dst)), "l"(src), "r"(src_bytes));
+               :: "r"(dst), "l"(src), "r"(src_bytes));
 }
-__device__ __forceinline__ void cp_async16_evict_first(void* dst, const void* src, int src_bytes,
-                                                       uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
-               :: "r"(smem_u32(dst)), "l"(src), "r"(src_bytes), "l"(policy));
+// 8-byte async copy (.ca: .cg only moves 16 bytes).
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
+               :: "r"(dst), "l"(src), "r"(src_bytes));
 }
-// 8-byte async copies (.ca: .cg only moves 16 bytes).
-__device__ __forceinline__ void cp_async8_evict_first(void* dst, const void* src, int src_bytes,
-                                                      uint64_t policy) {
-  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2, %3;\n"
-               :: "r"(smem_u32(dst)), "l"(src), "r"(src_bytes), "l"(policy));
-}
+// No L2::cache_hint (v1 gave weights and scales a createpolicy evict_first descriptor): ptxas
+// 13.x on sm_90 can drop the createpolicy while keeping its cp.async users, which then read an
+// unmaterialized uniform register as the cache descriptor (SASS `LDGSTS … desc[UR1]` with no
+// definition of UR1) and trap: v2's first H200 run died with cudaErrorIllegalInstruction that
+// way, once the copies' shared addresses became uniform-register based. The same miscompile
+// is reported for Marlin (IST-DASLab/marlin#44) and worked around in Triton (#11660). The
+// activations stay resident without it: every CTA re-reads them, so L2 LRU keeps them hot.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
@@ -180,12 +207,6 @@ __device__ __forceinline__ float silu_mul_f32(float g, float u) {
   return g / (1.0f + expf(-g)) * u;
 }
 
-__device__ __forceinline__ uint32_t silu_mul_bf16x2(uint32_t g2, uint32_t u2) {
-  const float2 g = __bfloat1622float2(bits_bf162(g2));
-  const float2 u = __bfloat1622float2(bits_bf162(u2));
-  return bf162_bits(__floats2bfloat162_rn(silu_mul_f32(g.x, u.x), silu_mul_f32(g.y, u.y)));
-}
-
 // Output column of weight row n: identity, or the q/gate de-interleave of w4a16_gemv_qg.
 __device__ __forceinline__ int out_column(int n, int n_total, int qg_head_dim) {
   if (qg_head_dim == 0) return n;
@@ -203,11 +224,19 @@ __device__ __forceinline__ void store_out(const W4A16GemvWeight& w, DType dt, in
 // MT: n8 tiles of x rows (M ≤ 8·MT). kVec: K % 128 == 0 and 16-byte rows (16-byte weight
 // copies, 8-byte scale copies, no K tail); else 8-byte weight copies and byte scale loads.
 // kSilu: the activation is bf16(silu(x) · up).
+//
+// v2 (instruction diet; v1's per-segment math, sums in segment order): v1 spent ≈ 420 warp-instructions per
+// 128-k chunk and warp (≈ 12 per weight byte, above the ≈ 8 the H200 can issue at copy
+// bandwidth), of which only ≈ 150 were the dequant: the rest was per-chunk address math
+// (generic strided copy loops: ≈ 35 instructions per cp.async, smem fragment addresses and
+// swizzles recomputed every chunk). v2 fixes every thread's copy plan once per CTA (two
+// 16-byte weight pieces, one 8-byte scale piece, pointers advanced by a constant per chunk),
+// keeps the lane's fragment offsets in registers, and walks the stage ring by byte offset.
 template <int MT, bool kVec, bool kSilu>
 __global__ void __launch_bounds__(kMaxWarps * 32)
 w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
                   int groups0,            // row groups of weight 0 (the rest belong to weight 1)
-                  int chunks_per_split) { // 128-k chunks summed by one CTA
+                  SplitPlan plan) {       // segments of K over the CTAs (blockIdx.x)
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = threadIdx.x, nthreads = blockDim.x;
   const int warps = nthreads / 32, warp = tid / 32, lane = tid % 32;
@@ -220,36 +249,61 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int K = args.k, M = args.m, n_rows = wt.n;
   const int row0 = group * warps * kTileN;              // first weight row of this CTA
   const int num_chunks = (K + kChunkK - 1) / kChunkK;
-  const int c_begin = min(split * chunks_per_split, num_chunks);
-  const int c_end = min(c_begin + chunks_per_split, num_chunks);
+  const int chunks_per_cta = plan.seg_chunks * plan.segs_per_cta;
+  const int c_begin = min(split * chunks_per_cta, num_chunks);
+  const int c_end = min(c_begin + chunks_per_cta, num_chunks);
   const StageLayout lay = stage_layout(warps, MT, kSilu);
-  const uint64_t policy = evict_first_policy();
+  const int ring_bytes = kStages * lay.bytes;           // the stage ring, walked by byte offset
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(args.x);    // [M, K]
   const __nv_bfloat16* up = static_cast<const __nv_bfloat16*>(args.up);  // [M, K] (silu)
+  const uint32_t smem_base = smem_u32(smem);
 
-  // Stage `slot` ← chunk c's weights and scales (never written by the kernels before this one).
-  auto issue_weights = [&](int slot, int c) {
-    uint8_t* st = smem + slot * lay.bytes;
-    const int k0 = c * kChunkK;
+  // ---- copy plan (vector path), fixed for the CTA: the 16W rows × 4 16-byte pieces of a
+  // chunk are 2·nthreads pieces, p = tid and tid + nthreads (row p/4, piece p%4); thread
+  // tid < 16W also copies row tid's 8 scale bytes. Rows ≥ n zero-fill from a fixed address.
+  const uint8_t* w_src[2];   // [n, K/2] packed: this thread's piece of the next chunk to issue
+  int w_step[2];             // 64 bytes per chunk, 0 for rows ≥ n
+  uint32_t w_dst[2];         // smem offset inside a stage
+  const uint8_t* s_src = wt.block_scale;  // [n, K/16] e4m3: row tid's 8 bytes of the next chunk
+  int s_step = 0;
+  const bool s_issuer = tid < warps * kTileN;
+  if constexpr (kVec) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int p = tid + j * nthreads, rl = p >> 2, u = p & 3, n = row0 + rl;
+      const bool ok = n < n_rows;
+      w_src[j] = wt.packed + (ok ? static_cast<int64_t>(n) * (K / 2) + c_begin * kRowBytes + u * 16 : 0);
+      w_step[j] = ok ? kRowBytes : 0;
+      w_dst[j] = lay.w_off + rl * kRowBytes + u * 16;
+    }
+    const int n = row0 + tid;
+    if (s_issuer && n < n_rows) {
+      s_src = wt.block_scale + static_cast<int64_t>(n) * (K / 16) + c_begin * kScaleBytes;
+      s_step = kScaleBytes;
+    }
+  }
+
+  // Stage at byte offset `st_off` ← chunk c's weights and scales (never written by the kernels
+  // before this one). Vector path: chunks are issued in order, each call advances the plan.
+  auto issue_weights = [&](int st_off, int c) {
     if constexpr (kVec) {
-      for (int p = tid; p < warps * kTileN * 4; p += nthreads) {         // 16-byte pieces
-        const int rl = p >> 2, u = p & 3, n = row0 + rl;
-        const bool ok = n < n_rows;
-        const uint8_t* src = wt.packed + (ok ? static_cast<int64_t>(n) * (K / 2) + k0 / 2 + u * 16 : 0);
-        cp_async16_evict_first(st + lay.w_off + rl * kRowBytes + u * 16, src, ok ? 16 : 0, policy);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        cp_async16(smem_base + st_off + w_dst[j], w_src[j], w_step[j] ? 16 : 0);
+        w_src[j] += w_step[j];
       }
-      for (int rl = tid; rl < warps * kTileN; rl += nthreads) {          // 8 scales per row
-        const int n = row0 + rl;
-        const bool ok = n < n_rows;
-        const uint8_t* src = wt.block_scale + (ok ? static_cast<int64_t>(n) * (K / 16) + k0 / 16 : 0);
-        cp_async8_evict_first(st + lay.s_off + rl * kScaleBytes, src, ok ? 8 : 0, policy);
+      if (s_issuer) {
+        cp_async8(smem_base + st_off + lay.s_off + tid * kScaleBytes, s_src, s_step ? 8 : 0);
+        s_src += s_step;
       }
     } else {
+      uint8_t* st = smem + st_off;
+      const int k0 = c * kChunkK;
       for (int p = tid; p < warps * kTileN * 8; p += nthreads) {         // 8-byte pieces = 16 k
         const int rl = p >> 3, u = p & 7, n = row0 + rl, kk = k0 + 16 * u;
         const bool ok = n < n_rows && kk < K;
         const uint8_t* src = wt.packed + (ok ? static_cast<int64_t>(n) * (K / 2) + kk / 2 : 0);
-        cp_async8_evict_first(st + lay.w_off + rl * kRowBytes + u * 8, src, ok ? 8 : 0, policy);
+        cp_async8(smem_base + st_off + lay.w_off + rl * kRowBytes + u * 8, src, ok ? 8 : 0);
       }
       for (int p = tid; p < warps * kTileN * 8; p += nthreads) {         // scale bytes, synchronous
         const int rl = p >> 3, j = p & 7, n = row0 + rl, kk = k0 + 16 * j;
@@ -260,53 +314,109 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
 
-  // Stage `slot` ← chunk c's activations (raw gate/up for silu): the previous kernel's output.
-  auto issue_acts = [&](int slot, int c) {
-    uint8_t* st = smem + slot * lay.bytes;
-    const int k0 = c * kChunkK;
-    for (int p = tid; p < M * kXUnits; p += nthreads) {                 // 8 bf16 per unit
-      const int r = p / kXUnits, u = p % kXUnits, kk = k0 + 8 * u;
-      const bool ok = kk < K;
-      const int64_t src = ok ? static_cast<int64_t>(r) * K + kk : 0;
+  // Stage at `st_off` ← chunk c's activations (raw gate/up for silu): the previous kernel's
+  // output, M rows × 16 units of 8 bf16 per chunk. Thread tid copies unit x_u = tid % 16 of
+  // rows x_r0 = tid / 16, x_r0 + nthreads/16, … (M = 1: threads 0..15, one copy each); the row
+  // step is even, so every row of the thread has x_r0's swizzle parity and the destinations
+  // differ by a constant.
+  static_assert(kXUnits == 16, "tid >> 4 is tid / kXUnits");
+  const int x_u = tid & (kXUnits - 1), x_r0 = tid >> 4, x_rstep = nthreads >> 4;
+  const int x_dst0 = kSilu ? lay.g_off + x_r0 * kXRowBytes + x_u * 16
+                           : lay.x_off + x_r0 * kXRowBytes + x_slot(x_r0, x_u) * 16;
+  const int64_t x_src_step = static_cast<int64_t>(x_rstep) * K;                 // elements
+  const int64_t x_src0 = static_cast<int64_t>(x_r0) * K + 8 * x_u;             // chunk 0, row x_r0
+  auto issue_acts = [&](int st_off, int c) {
+    if (x_r0 >= M) return;                       // no activation unit for this thread
+    const bool ok = kVec || c * kChunkK + 8 * x_u < K;
+    const int64_t src0 = ok ? x_src0 + c * kChunkK : 0;
+    const __nv_bfloat16* xs = x + src0;
+    const __nv_bfloat16* us = kSilu ? up + src0 : nullptr;
+    uint32_t dst = smem_base + st_off + x_dst0;
+    for (int r = x_r0; r < M; r += x_rstep) {
       if constexpr (kSilu) {
-        cp_async16(st + lay.g_off + r * kXRowBytes + u * 16, x + src, ok ? 16 : 0);
-        cp_async16(st + lay.u_off + r * kXRowBytes + u * 16, up + src, ok ? 16 : 0);
+        cp_async16(dst, xs, ok ? 16 : 0);
+        cp_async16(dst + (lay.u_off - lay.g_off), us, ok ? 16 : 0);
+        us += ok ? x_src_step : 0;
       } else {
-        cp_async16(st + lay.x_off + r * kXRowBytes + x_slot(r, u) * 16, x + src, ok ? 16 : 0);
+        cp_async16(dst, xs, ok ? 16 : 0);
+      }
+      xs += ok ? x_src_step : 0;
+      dst += x_rstep * kXRowBytes;
+    }
+  };
+
+  // The stage's activations (landed: every thread waited for its copies before the barrier
+  // that precedes this call) → B-fragment order, one stage ahead of the compute. Plain: each
+  // 16-byte unit (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7) in place (the prmt pairs of the K
+  // permutation, once per CTA instead of once per warp and tile). silu: each output word
+  // (x_j, x_{j+4}) = bf16(silu(g)·u) of its two elements, from the raw gate/up, into the
+  // swizzled unit. Items go lane-major over the warps (item i → warp i % W), so the silu math
+  // (≈ 25 instructions per element) is spread over every warp instead of stalling warp 0,
+  // which every other warp then waits for at the next barrier (v1: silu down 1.46× plain).
+  const int cv_first = (tid & 31) * warps + (tid >> 5);   // this thread's first item
+  auto convert_stage = [&](int st_off) {
+    uint8_t* st = smem + st_off;
+    if constexpr (kSilu) {
+      for (int i = cv_first; i < M * kXUnits * 4; i += nthreads) {
+        const int r = i >> 6, u = (i >> 2) & (kXUnits - 1), j = i & 3;
+        const __nv_bfloat16* gp = reinterpret_cast<const __nv_bfloat16*>(st + lay.g_off + r * kXRowBytes + u * 16);
+        const __nv_bfloat16* upp = reinterpret_cast<const __nv_bfloat16*>(st + lay.u_off + r * kXRowBytes + u * 16);
+        const float lo = silu_mul_f32(__bfloat162float(gp[j]), __bfloat162float(upp[j]));
+        const float hi = silu_mul_f32(__bfloat162float(gp[j + 4]), __bfloat162float(upp[j + 4]));
+        *reinterpret_cast<__nv_bfloat162*>(st + lay.x_off + r * kXRowBytes + x_slot(r, u) * 16 + 4 * j) =
+            __floats2bfloat162_rn(lo, hi);
+      }
+    } else {
+      for (int i = cv_first; i < M * kXUnits; i += nthreads) {
+        const int r = i >> 4, u = i & (kXUnits - 1);
+        uint4* unit = reinterpret_cast<uint4*>(st + lay.x_off + r * kXRowBytes + x_slot(r, u) * 16);
+        const uint4 a = *unit;
+        *unit = make_uint4(prmt(a.x, a.z, 0x5410), prmt(a.x, a.z, 0x7632),
+                           prmt(a.y, a.w, 0x5410), prmt(a.y, a.w, 0x7632));
       }
     }
   };
 
-  // silu: stage `slot`'s raw gate/up (landed, after a barrier) → swizzled bf16 activations.
-  auto convert_stage = [&](int slot) {
-    uint8_t* st = smem + slot * lay.bytes;
-    for (int p = tid; p < M * kXUnits; p += nthreads) {
-      const int r = p / kXUnits, u = p % kXUnits;
-      const uint4 gv = *reinterpret_cast<const uint4*>(st + lay.g_off + r * kXRowBytes + u * 16);
-      const uint4 uv = *reinterpret_cast<const uint4*>(st + lay.u_off + r * kXRowBytes + u * 16);
-      uint4 a;
-      a.x = silu_mul_bf16x2(gv.x, uv.x);
-      a.y = silu_mul_bf16x2(gv.y, uv.y);
-      a.z = silu_mul_bf16x2(gv.z, uv.z);
-      a.w = silu_mul_bf16x2(gv.w, uv.w);
-      *reinterpret_cast<uint4*>(st + lay.x_off + r * kXRowBytes + x_slot(r, u) * 16) = a;
-    }
-  };
-
-  float acc[MT][4];
+  float acc[MT][4];   // the current segment's partial
+  float done[MT][4];  // splits == 1: 0 + the finished segments' partials, in order; splits > 1
+                      // with 2 segments per CTA: the first one's partial
 #pragma unroll
-  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = done[i][e] = 0.0f;
+  }
+  int segs_finished = 0;
+  auto finish_segment = [&]() {
+    if (splits == 1 || (plan.segs_per_cta == 2 && segs_finished == 0)) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          done[i][e] = splits == 1 ? done[i][e] + acc[i][e] : acc[i][e];
+          acc[i][e] = 0.0f;
+        }
+      }
+    }
+    ++segs_finished;
+  };
   const bool warp_has_rows = row0 + warp * kTileN < n_rows;
 
+  // The lane's fragment offsets inside a stage, fixed for the CTA: weight row g (row g + 8 is
+  // 8 rows further), its two scale bytes, and activation row g's unit of word w (the swizzle
+  // depends on the row's parity only, so tile mt adds 8·mt rows to the same offsets).
+  const int lane_w = lay.w_off + (warp * kTileN + g) * kRowBytes + t * 16;
+  const int lane_s = lay.s_off + (warp * kTileN + g) * kScaleBytes + 2 * t;
+  int lane_x[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) lane_x[w] = lay.x_off + g * kXRowBytes + x_slot(g, 4 * t + w) * 16;
+
   // One chunk on the tensor cores: 4 words × 2 mma steps × MT tiles.
-  auto compute_stage = [&](int slot) {
-    const uint8_t* st = smem + slot * lay.bytes;
-    const uint8_t* sw = st + lay.w_off + warp * kTileN * kRowBytes;
-    const uint8_t* ss = st + lay.s_off + warp * kTileN * kScaleBytes;
-    const uint4 qa = *reinterpret_cast<const uint4*>(sw + g * kRowBytes + t * 16);        // row g
-    const uint4 qb = *reinterpret_cast<const uint4*>(sw + (g + 8) * kRowBytes + t * 16);  // row g+8
-    const __nv_bfloat162 fa = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(ss + g * kScaleBytes + 2 * t));
-    const __nv_bfloat162 fb = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(ss + (g + 8) * kScaleBytes + 2 * t));
+  auto compute_stage = [&](int st_off) {
+    const uint8_t* st = smem + st_off;
+    const uint4 qa = *reinterpret_cast<const uint4*>(st + lane_w);                        // row g
+    const uint4 qb = *reinterpret_cast<const uint4*>(st + lane_w + 8 * kRowBytes);        // row g+8
+    const __nv_bfloat162 fa = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(st + lane_s));
+    const __nv_bfloat162 fb = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(st + lane_s + 8 * kScaleBytes));
     const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
     for (int w = 0; w < 4; ++w) {            // word w: k = 32t + 8w .. +8, block 2t + w/2
@@ -315,12 +425,12 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
       dequant_word(wb[w], w < 2 ? __low2bfloat162(fb) : __high2bfloat162(fb), rb);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const int r = mt * 8 + g;            // x row of this lane's B column
-        uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-        if (r < M) xv = *reinterpret_cast<const uint4*>(st + lay.x_off + r * kXRowBytes + x_slot(r, 4 * t + w) * 16);
+        // Activation rows ≥ M are never written (stale shared memory): they only feed output
+        // columns ≥ M, which are never stored (mma columns are independent dot products).
+        const uint4 xv = *reinterpret_cast<const uint4*>(st + lane_x[w] + mt * 8 * kXRowBytes);
         // h = 0: k (8w, 8w+4) and (8w+1, 8w+5); h = 1: (8w+2, 8w+6) and (8w+3, 8w+7)
-        mma_bf16_16816(acc[mt], ra[0], rb[0], ra[1], rb[1], prmt(xv.x, xv.z, 0x5410), prmt(xv.x, xv.z, 0x7632));
-        mma_bf16_16816(acc[mt], ra[2], rb[2], ra[3], rb[3], prmt(xv.y, xv.w, 0x5410), prmt(xv.y, xv.w, 0x7632));
+        mma_bf16_16816(acc[mt], ra[0], rb[0], ra[1], rb[1], xv.x, xv.y);
+        mma_bf16_16816(acc[mt], ra[2], rb[2], ra[3], rb[3], xv.z, xv.w);
       }
     }
   };
@@ -330,37 +440,40 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   // Group 0 holds all prologue weights and chunk 0's activations, group p chunk p's.
 #pragma unroll
   for (int p = 0; p < kStages - 1; ++p) {
-    if (c_begin + p < c_end) issue_weights(p, c_begin + p);
+    if (c_begin + p < c_end) issue_weights(p * lay.bytes, c_begin + p);
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x / gate / up and out are now safe
 #pragma unroll
   for (int p = 0; p < kStages - 1; ++p) {
-    if (c_begin + p < c_end) issue_acts(p, c_begin + p);
+    if (c_begin + p < c_end) issue_acts(p * lay.bytes, c_begin + p);
     cp_async_commit();
   }
-  if constexpr (kSilu) {
-    if (c_begin < c_end) {
-      cp_async_wait<kStages - 2>();
-      __syncthreads();
-      convert_stage(0);
-    }
+  if (c_begin < c_end) {
+    cp_async_wait<kStages - 2>();   // chunk c_begin's copies (this thread's) landed
+    __syncthreads();                // … and everyone's
+    convert_stage(0);
   }
-  int slot = 0;                                  // stage slot of chunk c
+  int cur = 0;                                   // stage offset of chunk c
+  int fill = (kStages - 1) * lay.bytes;          // stage offset of chunk c − 1 (refilled at c)
+  int seg_left = plan.seg_chunks;                // chunks left in the current segment
   for (int c = c_begin; c < c_end; ++c) {
-    const int prev = slot == 0 ? kStages - 1 : slot - 1, next = slot == kStages - 1 ? 0 : slot + 1;
-    // plain: chunk c landed; silu: chunk c + 1 landed too (it is converted below)
-    if constexpr (kSilu) cp_async_wait<kStages - 3>(); else cp_async_wait<kStages - 2>();
-    __syncthreads();  // chunk c visible to all; every warp is done with chunk c − 1's slot
-    if (c + kStages - 1 < c_end) {                 // into chunk c − 1's slot
-      issue_weights(prev, c + kStages - 1);
-      issue_acts(prev, c + kStages - 1);
+    const int next = cur + lay.bytes == ring_bytes ? 0 : cur + lay.bytes;
+    // chunk c + 1 landed too (converted below, after the barrier: by any thread)
+    cp_async_wait<kStages - 3>();
+    __syncthreads();  // chunk c visible to all; every warp is done with chunk c − 1's stage
+    if (c + kStages - 1 < c_end) {                 // into chunk c − 1's stage
+      issue_weights(fill, c + kStages - 1);
+      issue_acts(fill, c + kStages - 1);
     }
     cp_async_commit();
-    if constexpr (kSilu) {
-      if (c + 1 < c_end) convert_stage(next);
+    if (c + 1 < c_end) convert_stage(next);
+    if (warp_has_rows) compute_stage(cur);
+    if (--seg_left == 0 || c + 1 == c_end) {
+      finish_segment();
+      seg_left = plan.seg_chunks;
     }
-    if (warp_has_rows) compute_stage(slot);
-    slot = next;
+    fill = cur;
+    cur = next;
   }
   // The next kernel may start launching (it waits for this whole grid before reading y).
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -370,27 +483,38 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int row_base = row0 + warp * kTileN;
   if (splits == 1) {
     if (!warp_has_rows) return;
+    // Empty trailing segments (K short of the last ones) add +0 in the cluster order too.
+    const bool empty_tail = segs_finished < plan.num_segs;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int m = mt * 8 + 2 * t + (e & 1), n = row_base + g + 8 * (e >> 1);
-        if (m < M && n < n_rows) store_out(wt, args.out_dtype, m, n, acc[mt][e] * factor);
+        const float v = empty_tail ? done[mt][e] + 0.0f : done[mt][e];
+        if (m < M && n < n_rows) store_out(wt, args.out_dtype, m, n, v * factor);
       }
     }
     return;
   }
-  // split-K: partials [16W rows][8MT cols] f32 in shared memory, summed over the cluster in
-  // rank order 0..S−1 (deterministic), each rank storing every S-th element.
+  // split-K: partials [segs_per_cta][16W rows][8MT cols] f32 in shared memory, summed over the
+  // cluster in segment order (rank 0's, then rank 1's, …: deterministic), each rank storing
+  // every S-th element. The remote loads of an element are issued together (unrolled).
   cp_async_wait<0>();
   __syncthreads();  // all warps are done with the stage buffers
   constexpr int kCols = MT * 8;
+  const int part_stride = warps * kTileN * kCols;  // floats per segment
   float* part = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      part[(warp * kTileN + g + 8 * (e >> 1)) * kCols + mt * 8 + 2 * t + (e & 1)] = acc[mt][e];
+      const int idx = (warp * kTileN + g + 8 * (e >> 1)) * kCols + mt * 8 + 2 * t + (e & 1);
+      if (plan.segs_per_cta == 2) {
+        part[idx] = done[mt][e];
+        part[part_stride + idx] = acc[mt][e];
+      } else {
+        part[idx] = acc[mt][e];
+      }
     }
   }
   cg::cluster_group cluster = cg::this_cluster();
@@ -398,8 +522,21 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   for (int e = split * nthreads + tid; e < warps * kTileN * M; e += splits * nthreads) {
     const int rl = e / M, m = e % M, n = row0 + rl;
     if (n >= n_rows) continue;
+    float v[kMaxSplits][2];
+#pragma unroll
+    for (int r = 0; r < kMaxSplits; ++r) {
+      const float* pr = r < splits ? cluster.map_shared_rank(part, r) + rl * kCols + m : nullptr;
+      v[r][0] = pr ? pr[0] : 0.0f;
+      v[r][1] = pr && plan.segs_per_cta == 2 ? pr[part_stride] : 0.0f;
+    }
     float s = 0.0f;
-    for (int r = 0; r < splits; ++r) s += cluster.map_shared_rank(part, r)[rl * kCols + m];
+#pragma unroll
+    for (int r = 0; r < kMaxSplits; ++r) {
+      if (r < splits) {
+        s += v[r][0];
+        if (plan.segs_per_cta == 2) s += v[r][1];
+      }
+    }
     store_out(wt, args.out_dtype, m, n, s * factor);
   }
   cluster.sync();  // keep this CTA's partials alive until every rank has read them
@@ -407,10 +544,11 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
 
 template <int MT, bool kVec, bool kSilu>
 cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0,
-                            int chunks_per_split, cudaStream_t stream) {
+                            SplitPlan plan, cudaStream_t stream) {
   auto kernel = w4a16_gemv_kernel<MT, kVec, kSilu>;
   const StageLayout lay = stage_layout(warps, MT, kSilu);
-  const int part_bytes = warps * kTileN * MT * 8 * static_cast<int>(sizeof(float));
+  const int part_bytes = (grid.x > 1 ? plan.segs_per_cta : 0) * warps * kTileN * MT * 8 *
+                         static_cast<int>(sizeof(float));
   const int smem = std::max(kStages * lay.bytes, part_bytes);
   // Opt in above the default 48 KB once per device and instance (the first call is normally
   // eager; later calls, e.g. under graph capture, make no attribute call).
@@ -443,23 +581,23 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
   attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = num_attrs + 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, a, groups0, chunks_per_split) == cudaSuccess) return cudaSuccess;
+  if (cudaLaunchKernelEx(&cfg, kernel, a, groups0, plan) == cudaSuccess) return cudaSuccess;
   (void)cudaGetLastError();           // clear the refusal
   cfg.numAttrs = num_attrs;
-  ATLAS_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a, groups0, chunks_per_split));
+  ATLAS_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a, groups0, plan));
   return last_launch_error();
 }
 
 template <int MT>
 cudaError_t launch_mt(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, int groups0,
-                      int chunks_per_split, cudaStream_t stream) {
+                      SplitPlan plan, cudaStream_t stream) {
   const bool silu = a.up != nullptr;
   if (vec) {
-    return silu ? launch_instance<MT, true, true>(a, grid, warps, groups0, chunks_per_split, stream)
-                : launch_instance<MT, true, false>(a, grid, warps, groups0, chunks_per_split, stream);
+    return silu ? launch_instance<MT, true, true>(a, grid, warps, groups0, plan, stream)
+                : launch_instance<MT, true, false>(a, grid, warps, groups0, plan, stream);
   }
-  return silu ? launch_instance<MT, false, true>(a, grid, warps, groups0, chunks_per_split, stream)
-              : launch_instance<MT, false, false>(a, grid, warps, groups0, chunks_per_split, stream);
+  return silu ? launch_instance<MT, false, true>(a, grid, warps, groups0, plan, stream)
+              : launch_instance<MT, false, false>(a, grid, warps, groups0, plan, stream);
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -467,11 +605,15 @@ bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 }  // namespace
 
 int w4a16_gemv_k_splits(int k) {
-  // ≥ 4 chunks (512 k) per CTA so the cluster barrier and partial exchange stay small next to
-  // the streaming; at most 8 (portable cluster size). K = 2048 → 4, K ≥ 4096 → 8, K ≤ 1024 → 1..2.
+  // ≥ 2 chunks (256 k) per segment, at most 8 segments (portable cluster size): K = 512 → 2,
+  // 1024 → 4, ≥ 2048 → 8. v1 kept ≥ 4 chunks per CTA for the cluster barrier's sake; small-N
+  // shapes (experts: one 1-warp CTA per SM) are bound by one warp's serial chunk latency
+  // (≈ 0.3 µs per chunk), and since v2 large N no longer pays for segments (splits chosen
+  // from N, 2 segments per CTA or one CTA over all of K), shorter segments only cost there a
+  // few f32 adds.
   const int chunks = (k + kChunkK - 1) / kChunkK;
   int s = 1;
-  while (s < 8 && 2 * s * 4 <= chunks) s *= 2;
+  while (s < kMaxSplits && 2 * s * 2 <= chunks) s *= 2;
   return s;
 }
 
@@ -491,12 +633,15 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     if (!aligned(w.packed, 8)) return cudaErrorMisalignedAddress;
     vec = vec && aligned(w.packed, 16) && aligned(w.block_scale, 8);
   }
-  const int splits = w4a16_gemv_k_splits(a.k);
+  const int segs = w4a16_gemv_k_splits(a.k);
   const int chunks = (a.k + kChunkK - 1) / kChunkK;
-  const int chunks_per_split = (chunks + splits - 1) / splits;
+  const int seg_chunks = (chunks + segs - 1) / segs;
 
-  // Warps (16-row tiles) per CTA: 4 unless that leaves fewer than 2 CTAs per SM (132 SMs on
-  // the H200); numerics do not depend on it. Small N (one expert, 512 rows) gets 1-warp CTAs.
+  // Splits and warps (16-row tiles) per CTA; numerics depend on neither (SplitPlan). Splits:
+  // the fewest of 1 (no cluster: one CTA streams all of K, its setup amortized over up to 40
+  // chunks at K = 5120, where v1's 8-way clusters gave each CTA 5), segs / 2 or segs that
+  // still gives ≥ 3 four-warp CTAs per SM (132 SMs on the H200). Warps: 4 unless that leaves
+  // fewer than 2 CTAs per SM; small N (one expert, 512 rows) gets 1-warp CTAs.
   static int sm_count[kMaxDevices] = {};
   int dev = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
@@ -506,18 +651,35 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   }
   int tiles = 0;
   for (int i = 0; i < a.num_weights; ++i) tiles += ceil_div(a.w[i].n, kTileN);
+  const int sms = sm_count[dev];
+  int splits = segs;
+  for (const int s : {1, segs / 2}) {
+    if (s >= 1 && s < splits && ceil_div(tiles, kMaxWarps) * s >= 3 * sms) { splits = s; break; }
+  }
   int warps = kMaxWarps;
-  while (warps > 1 && ceil_div(tiles, warps) * splits < 2 * sm_count[dev]) warps /= 2;
+  while (warps > 1 && ceil_div(tiles, warps) * splits < 2 * sms) warps /= 2;
+  // Balance (M ≤ 8): a grid of a few long CTAs per SM ends with the SM holding the most, so of
+  // W = 4 and 2 take the one whose CTAs per SM fall closest below a whole number (gate_up
+  // 34816×5120, one split: 544 four-warp CTAs = 4.12 per SM → 0.82 of the SMs' time used,
+  // 1088 two-warp CTAs = 8.24 → 0.92). M > 8 keeps W = 4: each CTA re-reads the activations.
+  if (warps == kMaxWarps && a.m <= 8) {
+    auto used = [&](int w) {
+      const double per_sm = double(ceil_div(tiles, w) * splits) / sms;
+      return per_sm / std::ceil(per_sm);
+    };
+    if (used(kMaxWarps / 2) > used(kMaxWarps) + 0.05) warps = kMaxWarps / 2;
+  }
+  const SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};
   const int groups0 = ceil_div(a.w[0].n, warps * kTileN);
   const int groups = groups0 + (a.num_weights == 2 ? ceil_div(a.w[1].n, warps * kTileN) : 0);
   if (groups > 65535) return cudaErrorInvalidValue;
   const dim3 grid(splits, groups);
 
   switch (ceil_div(a.m, 8)) {
-    case 1: return launch_mt<1>(a, vec, grid, warps, groups0, chunks_per_split, stream);
-    case 2: return launch_mt<2>(a, vec, grid, warps, groups0, chunks_per_split, stream);
-    case 3: return launch_mt<3>(a, vec, grid, warps, groups0, chunks_per_split, stream);
-    default: return launch_mt<4>(a, vec, grid, warps, groups0, chunks_per_split, stream);
+    case 1: return launch_mt<1>(a, vec, grid, warps, groups0, plan, stream);
+    case 2: return launch_mt<2>(a, vec, grid, warps, groups0, plan, stream);
+    case 3: return launch_mt<3>(a, vec, grid, warps, groups0, plan, stream);
+    default: return launch_mt<4>(a, vec, grid, warps, groups0, plan, stream);
   }
 }
 

@@ -35,8 +35,10 @@ struct W4A16GemvArgs {
   DType out_dtype = DType::kBF16;  // kBF16 | kF32, for every output
 };
 
-// Split of K across the CTAs of one cluster: a function of K only (never of M or N), so a row's
-// result is bitwise the same in every M, in the dual launch and in the single one.
+// Segments of K (≤ 8): a function of K only (never of M or N). A row's result is the f32 sum
+// of its segment partials in segment order, however the launch spreads the segments over CTAs
+// (chosen from N), so it is bitwise the same in every M, for every n_rows prefix, in the dual
+// launch and in the single one.
 int w4a16_gemv_k_splits(int k);
 
 // One launch on `stream` (a thread-block cluster when K is split). Never syncs; capturable.

@@ -229,7 +229,7 @@ int main() {
   // vector path (K % 128 == 0) and generic path (K % 128 != 0); N odd, 1, tails of 16 rows
   for (auto [n, k] : {std::pair{1, 16}, {17, 48}, {33, 4112}, {100, 272}, {77, 2048}, {513, 512}, {40, 5120}}) {
     run_shape(n, k, rng);
-    std::printf("w4a16_gemv N=%d K=%d (splits %d): done\n", n, k, atlas::w4a16_gemv_k_splits(k));
+    std::printf("w4a16_gemv N=%d K=%d (K segments %d): done\n", n, k, atlas::w4a16_gemv_k_splits(k));
   }
   run_dual_and_qg(rng);
   // launcher argument errors
