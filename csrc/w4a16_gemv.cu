@@ -30,7 +30,7 @@
 //         pipes: the sign and the magnitude of a code need different shifts (source offsets
 //         differ by 1 bit, bf16 targets by 7) and other codes' bits must be masked, so no
 //         shift/mask pair is shared between pairs in the checkpoint layout.
-//   pipeline: 5 stages of cp.async (no L2 cache-hint policy: see cp_async8 for the ptxas
+//   pipeline: 4 stages of cp.async (no L2 cache-hint policy: see cp_async8 for the ptxas
 //         miscompile that v1's evict-first descriptor triggers in v2's code), one barrier
 //         per 128-k chunk. A stage holds W·16 rows × 64 B of packed weight, W·16 × 8 scale
 //         bytes and MT·8 rows × 256 B of activations (16-byte units XOR-swizzled so the B
@@ -81,8 +81,13 @@ constexpr int kRowBytes = kChunkK / 2;       // 64 packed bytes per row per chun
 constexpr int kScaleBytes = kChunkK / 16;    // 8 block scales per row per chunk
 constexpr int kXRowBytes = kChunkK * 2;      // 256 activation bytes per row per chunk
 constexpr int kXUnits = kXRowBytes / 16;     // 16 units of 8 bf16 per activation row
-constexpr int kStages = 5;                   // cp.async pipeline depth: a CTA with ≤ 4 chunks
-                                             // (K ≤ 512, or 2048 split 4 ways) has all in flight at once
+constexpr int kStages = 4;                   // cp.async pipeline depth. 4, not 5 (v2.1): at M ≤ 8 a
+                                             // 4-warp CTA then takes 26.6 KB, so 8 CTAs (32 warps, the
+                                             // 64-register limit too) fit an SM instead of 6; ncu on the
+                                             // 27B LM head (v2.1) showed 36% warps active, 62% issue
+                                             // active, ≈ 9 stall cycles per issue: too few warps to hide
+                                             // the dequant's dependency chains. 3 chunks in flight per
+                                             // CTA (≈ 110 KB per SM) still cover DRAM latency.
 static_assert(kStages >= 3, "activations are converted one stage ahead of the one computed");
 constexpr int kMaxWarps = 4;
 constexpr int kMaxSplits = 8;              // cluster size limit (portable)
