@@ -9,6 +9,8 @@ projection leaves them. Slots follow a real allocation: each sequence's tokens f
 blocks of 16 in order. Bytes per call = T·nkv·hd·2·(2 + c) + FP8 scales T·nkv·2·4 + slots T·8
 (c = 2 BF16 | 1 FP8). Inputs and cache regions rotate over enough sets to exceed the L2 at
 large T; at small T the step is launch-bound and L2-resident anyway, as in decode.
+Beside each point: torch's own D2D copy of the same traffic (torch_copy_us), graph-replayed the
+same way — the fraction of big-copy bandwidth a plain copy reaches at that size.
 """
 from __future__ import annotations
 
@@ -36,6 +38,20 @@ def step_bytes(t: int, nkv: int, hd: int, dtype: torch.dtype) -> int:
     c = torch.empty((), dtype=dtype).element_size()
     scales = t * nkv * 2 * 4 if dtype == torch.float8_e4m3fn else 0
     return t * nkv * hd * 2 * (2 + c) + scales + t * 8
+
+
+def same_traffic_copy_us(nbytes: int, iters: int) -> float:
+    """Graph-replayed µs of torch's own D2D copy moving the same bytes (nbytes / 2 read, as many
+    written), rotated like the op: what a plain copy reaches at this size, next to the big-copy
+    bandwidth the fraction is taken against (a one-wave copy pays the same launch/drain)."""
+    half = max(16, nbytes // 2 // 16 * 16)
+    n = min(rotation_count(2 * half), MAX_CALLS_PER_GRAPH)
+    src = [torch.empty(half, dtype=torch.uint8, device="cuda") for _ in range(n)]
+    dst = [torch.empty_like(s) for s in src]
+    us = time_cuda_graph(Rotator(n, lambda i: dst[i].copy_(src[i])), warmup=3, iters=iters,
+                         calls_per_graph=max(20, n))
+    del src, dst
+    return us
 
 
 def make_case(t: int, nq: int, nkv: int, hd: int, dtype: torch.dtype):
@@ -87,9 +103,11 @@ def main() -> None:
                                      calls_per_graph=max(20, min(n, MAX_CALLS_PER_GRAPH)))
                 nbytes = step_bytes(t, nkv, hd, dtype)
                 gbs = nbytes / (us * 1e-6) / 1e9
+                copy_us = same_traffic_copy_us(nbytes, iters)
                 rows.append(dict(model=name, nkv=nkv, hd=hd, cache="bf16" if dtype == torch.bfloat16 else "fp8",
                                  T=t, MB=nbytes / 1e6, us=us, floor_us=floor_us(nbytes), GBps=gbs,
-                                 frac_copy_bw=gbs / bw, rotated_sets=n))
+                                 frac_copy_bw=gbs / bw, torch_copy_us=copy_us, vs_torch_copy=copy_us / us,
+                                 rotated_sets=n))
                 del fn
                 torch.cuda.empty_cache()
     write_results("reshape_and_cache", rows,

@@ -63,6 +63,9 @@
 //   BF16 33.6 MB → 7.8 µs, FP8 25.3 MB → 5.9 µs at the H200's ≈ 4.3 TB/s copy bandwidth.
 //   Target ≥ 80% of copy bandwidth at T ≥ 4096 (bench/bench_reshape_and_cache.py; measured
 //   fraction: see bench/NOTES.md). At T = 1 (decode) the launch itself (~1 µs) dominates.
+//   T = 4096 is ONE wave of 4–8 µs: the launch, the first DRAM round trip and the drain are
+//   ≈ 2.5 µs of it (measured, v2), so v3 launches with programmatic dependent launch
+//   (common/pdl.cuh) to overlap its launch with the previous kernel's tail.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -70,6 +73,7 @@
 #include <cfloat>
 
 #include "common/checks.h"
+#include "common/pdl.cuh"
 #include "reshape_and_cache.h"
 
 namespace atlas {
@@ -176,6 +180,12 @@ reshape_and_cache_kernel(const __grid_constant__ ReshapeAndCacheArgs a) {
   const int head = is_v ? kv_row - nkv : kv_row;       // [0, nkv)
   const bool real_row = token < a.num_tokens;
 
+  // Programmatic dependent launch (v3): this grid may be scheduled while the kernel that wrote
+  // key / value / slot_mapping drains; every global access below comes after the wait, and the
+  // next PDL kernel may start launching at once (it waits for this whole grid in turn).
+  pdl_wait();
+  pdl_launch_dependents();
+
   // Step 1: issue the slot load and all data loads back to back; nothing here waits on the
   // slot (chunks past hd stay 0; rows past T load nothing).
   const int64_t slot = real_row ? a.slot_mapping[token] : -1;
@@ -230,8 +240,8 @@ cudaError_t launch_instance(const ReshapeAndCacheArgs& a, cudaStream_t stream) {
   const int64_t rows = a.num_tokens * 2 * a.num_kv_heads;
   const int64_t blocks = ceil_div<int64_t>(rows, kThreads / kLanes);
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  reshape_and_cache_kernel<CacheT, kLanes><<<unsigned(blocks), kThreads, 0, stream>>>(a);
-  return last_launch_error();
+  return launch_pdl(reshape_and_cache_kernel<CacheT, kLanes>, dim3(unsigned(blocks)), dim3(kThreads), 0,
+                    stream, a);
 }
 
 // kLanes = the smallest power of two with kLanes · 4 chunks ≥ hd/8 (hd 256: 8 lanes).
