@@ -1077,6 +1077,9 @@ def _dense_stack(t: tuple) -> Tensor:
     return (vals * scale.float().unsqueeze(-1) * gs.view(e, 1, 1, 1)).view(e, n, 2 * half_k)
 
 
+MOE_EXPERTS_MAX_EXPERTS = 4096  # E of the stacks: the grouping kernel counts pairs per expert in smem (csrc/moe_experts.h)
+
+
 def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shared: Optional[Tensor] = None,
                 shared_gate: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """Routed SwiGLU experts as grouped GEMVs over device-side expert ids (no host sync).
@@ -1084,11 +1087,12 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
     Args:
         x: [T, h] bf16 contiguous, h % 32 == 0, h ≤ 8192.
         ids: int32 [T, k] (from moe_route), k ≤ 32, T·k ≤ 65535. An id outside [0, E)
-            contributes nothing (checked nowhere: reading it would sync).
+            contributes nothing (checked nowhere: reading it would sync). Repeated ids in a row
+            are allowed (each pair counts).
         weights: float32 [T, k] routing weights.
         gate, up: expert stacks [E, I, h]; down: [E, h, I] (I % 32 == 0). Each is a bf16
             tensor, or an NVFP4 tuple (packed uint8 [E, N, K/2], block_scale e4m3 [E, N, K/16],
-            global_scale f32 [E]); all three in the same format.
+            global_scale f32 [E]); all three in the same format; E ≤ 4096.
         shared: optional [T, h] bf16, the shared expert's output, combined in the epilogue;
         shared_gate: [T] bf16 (any stride) shared-expert gate logits, required with shared.
         out_dtype: float32 (default without shared) or bfloat16 (the sum rounded once; the only
@@ -1119,6 +1123,9 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
         raise TypeError(f"{op}: gate, up and down must share one format (all bf16 or all NVFP4)")
     if len({s[0].shape[0] for s in (g, u, d)}) != 1:
         raise ValueError(f"{op}: gate, up and down must hold the same number of experts E")
+    if not 1 <= g[0].shape[0] <= MOE_EXPERTS_MAX_EXPERTS:
+        raise ValueError(f"{op}: gate, up and down must hold 1 ≤ E ≤ {MOE_EXPERTS_MAX_EXPERTS} experts, "
+                         f"got {g[0].shape[0]}")
     if h % 32 or inter % 32 or not 32 <= h <= 8192 or not 32 <= inter <= 8192:
         raise ValueError(f"{op}: h and I must be multiples of 32 in [32, 8192], got h = {h}, I = {inter}")
     if not 1 <= k <= 32 or t * k > 65535:
@@ -1136,12 +1143,8 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
                      what="bf16 [T]")
     if use_kernel(x):
         s4 = (g[1], g[2], u[0], u[1], u[2], d[0], d[1], d[2]) if g4 else (None, None, u[0], None, None, d[0], None, None)
-        # Many pairs (2·T·k ≥ E, e.g. T ≥ 16 at top-8 of 256): run the gate/up pairs grouped by
-        # expert (a device sort, no sync) so pairs sharing an expert re-read its weights from L2
-        # (csrc/moe_experts.cu). Fewer pairs rarely share an expert (T = 1 never does): the
-        # sort's two launches would cost more than the L2 hits save.
-        order = torch.argsort(ids.view(-1), stable=True).to(torch.int32) if 2 * t * k >= g[0].shape[0] else None
-        return torch.ops.atlas.moe_experts(x, ids, weights, g[0], *s4, shared, shared_gate, order,
+        # the kernel groups the pairs by expert itself (csrc/moe_experts.cu: no torch sort)
+        return torch.ops.atlas.moe_experts(x, ids, weights, g[0], *s4, shared, shared_gate,
                                            out_dtype == torch.bfloat16)
     out = reference.moe_experts(x, ids, weights, _dense_stack(g), _dense_stack(u), _dense_stack(d))
     if shared is not None:
@@ -1153,18 +1156,15 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
 def _moe_experts_kernel(x: Tensor, ids: Tensor, weights: Tensor, gate: Tensor, gate_scale: Optional[Tensor],
                         gate_gs: Optional[Tensor], up: Tensor, up_scale: Optional[Tensor], up_gs: Optional[Tensor],
                         down: Tensor, down_scale: Optional[Tensor], down_gs: Optional[Tensor],
-                        shared: Optional[Tensor], shared_gate: Optional[Tensor],
-                        pair_order: Optional[Tensor], out_bf16: bool) -> Tensor:
+                        shared: Optional[Tensor], shared_gate: Optional[Tensor], out_bf16: bool) -> Tensor:
     t, h = x.shape
-    k = ids.shape[1]
-    act = torch.empty(t * k, gate.shape[1], dtype=torch.bfloat16, device=x.device)
     out = torch.empty(t, h, dtype=torch.bfloat16 if out_bf16 else torch.float32, device=x.device)
     _C.moe_experts(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs,
-                   shared, shared_gate, pair_order, act, out)
+                   shared, shared_gate, out)   # scratch (groups, act, d) allocated by the binding
     return out
 
 
 @_moe_experts_kernel.register_fake
 def _(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs, shared, shared_gate,
-      pair_order, out_bf16):
+      out_bf16):
     return x.new_empty(x.shape, dtype=torch.bfloat16 if out_bf16 else torch.float32)

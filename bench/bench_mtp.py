@@ -122,9 +122,8 @@ def bench_parts(head: MtpHead, b: int, iters: int) -> list[dict]:
         parts["router gemv (F.linear)"] = lambda: ffn.gate_logits(fin)
         parts["moe_route"] = lambda: ops.moe_route(logits, ffn.top_k, ffn.renormalize,
                                                    shared_slot=ffn.experts.has_shared_slot)
-        parts["pair sort (argsort + cast)"] = lambda: torch.argsort(ids.view(-1), stable=True).to(torch.int32)
-        parts["moe_experts (incl. sort if T·k large)"] = lambda: ffn.experts(fin, ids, w, path="kernel",
-                                                                             out_dtype=torch.bfloat16)
+        parts["moe_experts (4 launches: group, gate_up, down, combine)"] = lambda: ffn.experts(
+            fin, ids, w, path="kernel", out_dtype=torch.bfloat16)
         parts["whole ffn"] = lambda: ffn(fin)
     else:
         parts["dense mlp"] = lambda: ffn(fin)

@@ -529,16 +529,13 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
                  const c10::optional<torch::Tensor>& down_gs,   // [E, h, I]
                  const c10::optional<torch::Tensor>& shared,        // [T, h] bf16 or none
                  const c10::optional<torch::Tensor>& shared_gate,   // [T] bf16 (strided) or none
-                 const c10::optional<torch::Tensor>& pair_order,    // [T·k] int32 or none
-                 torch::Tensor& act,            // [T·k, I] bf16 (scratch)
                  torch::Tensor& out) {          // [T, h] f32 (no shared) | bf16 (shared) (out)
   CHECK_CUDA_TENSOR(x); CHECK_CONTIGUOUS(x); CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(weights);
-  CHECK_CONTIGUOUS(act); CHECK_CONTIGUOUS(out);
+  CHECK_CONTIGUOUS(out);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "moe_experts: x must be bf16 [T, h]");
   const int64_t t = x.size(0), h = x.size(1), k = ids.size(1), inter = gate.size(1);
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == t && ids.scalar_type() == torch::kInt, "moe_experts: ids must be int32 [T, k]");
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "moe_experts: weights must be f32 [T, k]");
-  TORCH_CHECK(act.numel() == t * k * inter && act.scalar_type() == torch::kBFloat16, "moe_experts: act must be bf16 [T*k, I]");
   const bool with_shared = shared.has_value();
   TORCH_CHECK(out.numel() == t * h && (out.scalar_type() == torch::kBFloat16 ||
                                        (!with_shared && out.scalar_type() == torch::kFloat)),
@@ -556,18 +553,18 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
   a.gate = moe::stack(gate, gate_scale, gate_gs, nvfp4, inter, h, "gate");
   a.up = moe::stack(up, up_scale, up_gs, nvfp4, inter, h, "up");
   a.down = moe::stack(down, down_scale, down_gs, nvfp4, h, inter, "down");
-  a.nvfp4 = nvfp4; a.act = act.data_ptr(); a.out = out.data_ptr();
+  a.nvfp4 = nvfp4; a.out = out.data_ptr();
   a.out_bf16 = out.scalar_type() == torch::kBFloat16;
   if (with_shared) {
     a.shared = shared->data_ptr(); a.shared_gate = shared_gate->data_ptr(); a.shared_gate_stride = shared_gate->stride(0);
   }
-  if (pair_order.has_value()) {
-    TORCH_CHECK(pair_order->is_contiguous() && pair_order->numel() == t * k && pair_order->scalar_type() == torch::kInt,
-                "moe_experts: pair_order must be int32 [T*k]");
-    a.pair_order = pair_order->data_ptr<int32_t>();
-  }
   a.num_tokens = t; a.top_k = static_cast<int>(k); a.num_experts = static_cast<int>(gate.size(0));
   a.hidden = static_cast<int>(h); a.inter = static_cast<int>(inter);
+  // scratch (expert groups, act, d) from the caching allocator, stream-ordered like any output
+  const size_t ws_bytes = atlas::moe_experts_workspace_bytes(t, a.top_k, a.num_experts, a.hidden, a.inter);
+  TORCH_CHECK(ws_bytes > 0, "moe_experts: sizes out of range (T*k <= 65535, k <= 32, E <= 4096, h, I % 32 in [32, 8192])");
+  torch::Tensor workspace = torch::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(torch::kByte));
+  a.workspace = workspace.data_ptr();
   check_cuda(atlas::launch_moe_experts(a, current_stream(x)), "moe_experts");
 }
 
@@ -591,7 +588,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sigmoid_gate_mul", &sigmoid_gate_mul, "out = x * sigmoid(gate), bf16 [T,H,hd], gate strided");
   m.def("argmax", &argmax, "logits [R,V] bf16|f32 -> ids int64 [R] (lowest index wins), top-1 softmax prob f32 [R]");
   m.def("moe_route", &moe_route, "router logits [T,E] -> top-k expert ids int32 [T,k], f32 softmax weights [T,k]");
-  m.def("moe_experts", &moe_experts, "routed SwiGLU experts over device ids [T,k] (bf16|nvfp4 stacks) -> f32 [T,h]");
+  m.def("moe_experts", &moe_experts, "routed SwiGLU experts over device ids [T,k] (bf16|nvfp4 stacks), grouped by expert on the device -> f32|bf16 [T,h]");
   m.def("embedding_norm_concat", &embedding_norm_concat, "MTP fc input [rmsnorm(embed[ids]) | rmsnorm(hidden)] -> bf16 [T,2h]");
   m.def("embedding", &embedding, "table [V,h] bf16 rows by device ids [T] -> [T,h] bf16 (bad id -> zero row)");
   // ---- small fused kernels for layers (norm, rope, gating, argmax, moe; insert defs above this line) ----

@@ -2,405 +2,670 @@
 // atlas/reference.py::moe_experts up to float32 summation order (each bf16 rounding in the same
 // place):
 //
-//   for every pair p = (t, j), e = ids[t, j]:
+//   for every pair p = (t, j) = t·k + j, e = ids[t, j] (e outside [0, E): the pair contributes 0):
 //     g = bf16(W_gate[e] · x[t]),  u = bf16(W_up[e] · x[t])          (float32 dots)
 //     act[p] = bf16(silu(g) · u)                                      (float32 math)
-//     d = bf16(W_down[e] · act[p])
-//   out[t] = Σ_j weights[t, j] · d_j                                  (float32, j = 0..k−1)
+//     d[p] = bf16(W_down[e] · act[p])
+//   out[t] = Σ_j weights[t, j] · d[t·k + j]                           (float32 fmaf, j = 0..k−1)
 //   with a shared expert: out[t] = bf16(that + sigmoid(shared_gate[t]) · shared[t])  (bf16 out)
-//   — the whole Qwen3-Next MoE combine in the down kernel's epilogue, so the block ends in two
-//   launches here plus the router GEMV, moe_route and the shared expert's two GEMVs.
 //
-// Why: routing stays on the device (ids from ops.moe_route), so the host never learns which
-// experts to run; these kernels read the ids and each pair streams its own expert's weights.
-// T·k pairs read T·k experts: at B = 1 (k = 8 of 256) that is 3% of the bank; at T·k ≥ E it
-// equals reading the bank once, and pairs sharing an expert hit in L2.
+// Why grouped: routing stays on the device (ids from ops.moe_route), so the host never learns
+// which experts run. v3 groups the T·k pairs by expert on the device and runs each expert hit
+// ONCE for all its pairs on tensor cores: an expert's weights stream from DRAM once whatever the
+// number of tokens that picked it, and its pairs are the n8 columns of the mma (swap-AB, as
+// w4a16_gemv: weight rows are the 16-row A operand, activation rows the B operand).
 //
-// Decomposition (both kernels: 256 threads = 8 warps, one warp per output row, kRowsPerWarp rows
-// per warp; a lane owns the 16-byte weight chunks c = lane + 32·i of the row):
-//   gate_up: grid (ceil(I / 16), T·k). CTA (n-tile, y) runs pair p = pair_order[y] (pairs sorted
-//     by expert id when T > 1, so CTAs of pairs that share an expert are adjacent in launch order
-//     and the second read of that expert's 1.2 MB (NVFP4 gate + up) hits in L2; at 32 rows ×
-//     top-8 of 256 experts that saves ≈ 100 MB of the ≈ 300 MB the pairs would read), stages x[t]
-//     in shared memory (bf16), then
-//     each warp computes rows n of gate AND up (same x chunk for both), xor-shuffle sums, and
-//     lane 0 stores act[p, n].
-//   down:    grid (T, ceil(h / 16)) — tokens fastest (v2), so the CTAs of one n-tile run back to
-//     back for all T tokens and an expert hit by several tokens is read from DRAM once (its 16
-//     rows of that tile, 4.6 KB NVFP4, stay in L2; v1's n-tile-fastest order streamed each
-//     token's experts whole, ≈ 151 MB instead of ≈ 96 MB distinct at 32 rows × top-8).
-//     CTA (t, n-tile) stages act[t·k .. t·k + k−1] (k·I bf16), ids, weights and the slots'
-//     global scales; each warp computes row n for the k experts of token t in slot order and accumulates
-//     weights[t, j] · bf16(dot) in float32; lane 0 stores out[t, n].
-//   Weight chunk = 16 bytes: NVFP4 32 elements (+ 2 e4m3 block scales), BF16 8 elements.
-//   NVFP4 decode: 4-bit code → float through a 16-entry table in shared memory (16 distinct
-//   banks: lanes reading one entry broadcast, so no conflicts); a block's 16 products are summed,
-//   then scaled by its e4m3 scale; the global scale multiplies the finished dot.
+// Four launches, all with programmatic dependent launch (common/pdl.cuh):
+//   1. group (1 CTA, 256 threads): counting sort of the valid pairs by expert id → num_groups,
+//      expert[s] (ascending ids, s < num_groups ≤ G = min(T·k, E)), start[s] .. start[s+1] the
+//      group's slice of pairs[] (pair indices p, ascending inside a group: stable). Counts by
+//      shared-memory atomics (order-free), one block scan (experts in contiguous runs per thread),
+//      then warp 0 scatters the pairs 32 at a time in pair order (__match_any_sync ranks lanes
+//      with the same expert), so the lists are deterministic. Fixed grid, buffers sized for the
+//      worst case G: no host sync, graph-capturable. Replaces v2's torch argsort "pair sort".
+//   2. gate_up: grid (I / 32, G), 64 threads = 2 warps. CTA (x, s) runs group s (exits at once
+//      when s ≥ num_groups): warp w owns I-rows n0 = 32x + 16w .. +16 of BOTH gate and up (two
+//      16-row A tiles), so silu(g)·u fuses in the epilogue (a lane holds g and u of the same
+//      (row, column)). Columns = the group's pairs, B row = x[p / k]; MT = ceil(T/8) ≤ 4 n8 tiles
+//      (template, picked at launch from T), of which ceil(M/8) are live for a group of M pairs
+//      (warp-uniform branch: a 1-pair group issues 1 mma tile, not MT); a group of M > 8·MT
+//      pairs (T > 32, or repeated ids in a row) loops over 8·MT-column passes, re-streaming the
+//      expert (from L2). Stores act[p, n] = bf16(silu(bf16(g)) · bf16(u)).
+//   3. down: grid (ceil(h / 64), G), 2 warps, each two 16-row tiles of h rows; B row = act[p];
+//      stores d[p, n] = bf16(dot) into a [T·k, h] bf16 scratch.
+//   4. combine: grid (ceil(h / 1024), T), 128 threads × 8 columns: out[t] = Σ_j in slot order
+//      (skipping out-of-range ids) + the shared-expert term, as v2's down epilogue did.
 //
-// Both kernels are launched with programmatic dependent launch (common/pdl.cuh): the e2m1 table is
-// filled before waiting for the previous kernel (moe_route / the gate_up pass), every global
-// access comes after the wait, and the next kernel may launch at once.
+// Grouped GEMV (2, 3) per CTA and 128-k chunk (K = h for gate_up, I for down):
+//   A tiles: lane (g = lane/4, t = lane%4) holds rows g and g+8 of each of its warp's 2 tiles and
+//     the 32 contiguous k [32t, 32t+32) of each (NVFP4: one 16-byte smem load + 2 scale bytes
+//     per row; BF16: one 16-byte load per word). K permutation, dequant (exact e2m1 · scale ·
+//     2^-7 in bf16, the 2^7 and the global scale applied once in f32 on the store) and the
+//     m16n8k16 calls are w4a16_gemv's (csrc/w4a16_gemv.cu header, common/nvfp4_mma.cuh): mma
+//     step (w, h) pairs physical k (8w+2h, 8w+2h+4) and (8w+2h+1, 8w+2h+5) + 32t; the B
+//     fragment is the 16-byte activation unit k 32t+8w .. +8 of row g, permuted by 4 prmt at
+//     read time (BF16 weights get the same permutation).
+//   pipeline: kStages (NVFP4 6, BF16 4) cp.async stages, one barrier per chunk. A stage holds 64
+//     weight rows × 64 B (NVFP4) | 256 B (BF16), 64 × 8 scale bytes (NVFP4), 8·MT activation
+//     rows × 256 B (16-byte units swizzled by bf16_unit_slot: conflict-free fragment loads).
+//     Copies: 64 threads × 4 (NVFP4) | 16 (BF16) 16-byte weight pieces per chunk through a table
+//     of the CTA's 64 row pointers in smem, 8 scale bytes per thread (K % 128 == 0; else 16-bit
+//     loads, synchronous: only odd test shapes take it), one 16-byte unit per live activation row
+//     per 16 threads. K tails (K % 32 == 0) zero-fill weights and activations.
+//   Activation rows ≥ the pass's M are never written (stale smem): they feed only mma columns
+//     ≥ M, which are never stored (mma columns are independent dot products).
+//   PDL: gate_up waits for the grouping kernel before reading anything. down reads the group
+//     tables and prefetches its first kStages − 1 chunks of weights BEFORE griddepcontrol.wait:
+//     it is launched only once every gate_up CTA has executed launch_dependents or exited, and
+//     every gate_up CTA does either only after its own wait, which returns once the grouping grid
+//     has completed. Every CTA of every launch waits before it exits, so each grid's completion
+//     implies its predecessors' (the workspace may be reused by the stream's next op).
 //
-// Versions (bench: python bench/bench_mtp.py [--quick | --parts]; tests: tests/test_moe_route.py,
+// Batch invariance: a pair's dot is the same bits whatever else is in the batch — its column's
+// mma sequence (chunks in order, 8 steps each) depends on K only, not on MT, on the column it
+// lands in, or on the pass; the combine sums slots in order j. Tested bitwise (one token alone ==
+// that token inside a 32-token batch sharing all its experts).
+//
+// Versions (bench: python bench/bench_mtp.py --parts; tests: tests/test_moe_route.py,
 // csrc/tests/test_mtp_kernels.cu):
-//   v1: one warp per output row, one dot at a time (load 1–2 chunks → math → reduce → next dot).
-//   v2: load phase for all of a warp's dots before the math (bit-identical; see "v2" below);
-//       ids / weights / scales staged in smem; down grid tokens-fastest.
+//   v1: CUDA cores, one warp per output row, one dot at a time; 2 launches.
+//   v2: load phase for all of a warp's dots before the math; pairs sorted by expert by a torch
+//       argsort so shared experts re-read from L2; down grid tokens-fastest. H200 (35B-A3B MTP
+//       head): 43.8 µs at B = 1 (+ 9.0 sort), 733 µs at B = 32 (+ 20.6 sort).
+//   v3 (this): device grouping + tensor-core grouped GEMVs (an expert read once for all its
+//       pairs) + combine; 4 launches, no torch sort. BF16 stacks run the same mma kernel (weights
+//       straight from smem, no dequant), slower than NVFP4 per byte but correct.
 //
-// Floor: bytes = T·k · (2·I·h + h·I) · B_w (B_w = 9/16 NVFP4, 2 BF16; capped at E experts)
-//   + x, act, out. 35B-A3B, B = 1, NVFP4: 8 · 3 · 512·2048 · 9/16 = 14.2 MB → 3.3 µs at 4.3 TB/s.
+// Floor: bytes = (experts hit) · (2·I·h + h·I) · B_w (B_w = 9/16 NVFP4, 2 BF16) + x, act, d, out.
+//   35B-A3B (h 2048, I 512, top-8 of 256 + the shared expert as slot 8), NVFP4: B = 1: 9 experts
+//   × 1.77 MB = 15.9 MB → 3.8 µs at 4.2 TB/s; B = 32: ≈ 163 distinct experts × 1.77 MB ≈ 289 MB
+//   → ≈ 69 µs.
+// v3 prediction (graph replay, L2 warm as bench_mtp --parts measures): B = 1 ≈ 9 µs (group ≈ 2,
+//   gate_up ≈ 3.5: 144 CTAs × 5 chunks in flight, 10.6 MB; down ≈ 1: its 5.3 MB prefetched under
+//   gate_up; combine ≈ 1.5; the rest PDL launch gaps); B = 32 ≈ 105 µs (≈ 0.7 of copy bandwidth
+//   on 289 MB: ≈ 420 warp-instructions per chunk and warp of 2304 weight bytes, ≈ 75% of the
+//   H200's issue rate at copy bandwidth, plus the G − num_groups ≈ 95 empty group slots' CTAs).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "common/checks.h"
-#include "common/nvfp4.cuh"
+#include "common/nvfp4_mma.cuh"
 #include "common/pdl.cuh"
 #include "moe_experts.h"
 
 namespace atlas {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kRowsPerWarp = 2;
-constexpr int kRowsPerCta = kWarps * kRowsPerWarp;   // 16 output rows per CTA
+// ---- workspace --------------------------------------------------------------------------------
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
-
-// Streaming 16-byte load of a weight chunk read exactly once (do not keep it in L1).
-__device__ __forceinline__ uint4 load_weight16(const void* p) {
-  return __ldcs(reinterpret_cast<const uint4*>(p));
-}
-
-// v2: every dot is split into a LOAD phase (the lane's chunks of one window of K, for all the
-// dots a warp owns, issued back to back) and an ACCUMULATE phase (the v1 arithmetic, unchanged).
-// v1 ran one dot at a time — load 1–2 chunks, multiply, xor-reduce, next dot — so a warp paid
-// one full memory latency per dot: the down pass at B = 1 chained 2 rows × 9 experts = 18
-// latencies (≈ 18 µs for 5 MB, floor 1.3 µs), gate_up 2 rows × (gate, up) = 4. Now the down
-// pass issues all ≤ kDownGroup experts' chunks of a row at once (2 latencies per warp at B = 1),
-// gate_up all 4 dots' chunks at once (1). Numerics are bit-identical to v1: a window holds the
-// chunks c = lane + 32·i in the order v1's loop visited them, and each dot keeps its own float32
-// accumulator updated in that same order with the same fmaf sequence.
-//
-// Fragment of one dot for one lane over one window: chunks c = c0 + lane + 32·i, i < kCpl.
-template <int kCpl>
-struct Frag {
-  uint4 w[kCpl];
-  uint16_t s[kCpl];   // NVFP4: the chunk's two e4m3 block scales (low byte = first block)
+// Byte offsets of the scratch buffers inside args.workspace (each 256-byte aligned).
+struct Workspace {
+  size_t num_groups;   // int32 [1]
+  size_t expert;       // int32 [G]       expert id of group s, ascending
+  size_t start;        // int32 [G + 1]   group s = pairs[start[s] .. start[s+1])
+  size_t pairs;        // int32 [T·k]     valid pair indices p = t·k + j, grouped, ascending per group
+  size_t act;          // bf16 [T·k, I]   silu(g)·u per pair (rows of invalid pairs never written)
+  size_t d;            // bf16 [T·k, h]   down output per pair (idem)
+  size_t bytes;
 };
 
-// Weight policies: kElemsPerChunk, load(frag) and accumulate(frag, acc) of one window,
-// global_scale(e) (1 for BF16) and finish(gs, sum) (× it). The dot of `vec` (K bf16 values in
-// shared memory) with weight row n of expert e is:
-//   acc = 0; for each window {load; accumulate}; finish(global_scale(e), warp_sum(acc)).
-struct Bf16Weights {
-  static constexpr int kElemsPerChunk = 8;
-  template <int kCpl>
-  __device__ __forceinline__ static void load(const ExpertStack& s, int64_t e, int64_t n, int64_t rows, int k,
-                                              int c0, Frag<kCpl>& f) {
-    const char* row = static_cast<const char*>(s.weight) + ((e * rows + n) * k) * 2;
-    const int chunks = k / kElemsPerChunk;
-#pragma unroll
-    for (int i = 0; i < kCpl; ++i) {
-      const int c = c0 + threadIdx.x % 32 + 32 * i;
-      if (c < chunks) f.w[i] = load_weight16(row + c * 16);
-    }
-  }
-  template <int kCpl>
-  __device__ __forceinline__ static float accumulate(const Frag<kCpl>& f, int k, int c0, const __nv_bfloat16* vec,
-                                                     const float*, float acc) {
-    const int chunks = k / kElemsPerChunk;
-#pragma unroll
-    for (int i = 0; i < kCpl; ++i) {
-      const int c = c0 + threadIdx.x % 32 + 32 * i;
-      if (c >= chunks) break;
-      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&f.w[i]);
-      const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(vec + c * kElemsPerChunk);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 wf = __bfloat1622float2(w2[j]), xf = __bfloat1622float2(x2[j]);
-        acc = fmaf(wf.x, xf.x, acc);
-        acc = fmaf(wf.y, xf.y, acc);
-      }
-    }
-    return acc;
-  }
-  __device__ __forceinline__ static float global_scale(const ExpertStack&, int64_t) { return 1.f; }
-  __device__ __forceinline__ static float finish(float, float sum) { return sum; }
-};
-
-struct Nvfp4Weights {
-  static constexpr int kElemsPerChunk = 32;   // 16 bytes of codes = 2 blocks of 16
-  template <int kCpl>
-  __device__ __forceinline__ static void load(const ExpertStack& s, int64_t e, int64_t n, int64_t rows, int k,
-                                              int c0, Frag<kCpl>& f) {
-    const int64_t r = e * rows + n;
-    const uint8_t* codes = static_cast<const uint8_t*>(s.weight) + r * (k / 2);
-    // k % 32 == 0, so a row's k/16 scales start 2-byte aligned: one 16-bit load per chunk
-    const uint16_t* scales = reinterpret_cast<const uint16_t*>(s.block_scale + r * (k / kNvfp4Block));
-    const int chunks = k / kElemsPerChunk;
-#pragma unroll
-    for (int i = 0; i < kCpl; ++i) {
-      const int c = c0 + threadIdx.x % 32 + 32 * i;
-      if (c < chunks) {
-        f.w[i] = load_weight16(codes + c * 16);
-        f.s[i] = __ldcs(scales + c);
-      }
-    }
-  }
-  template <int kCpl>
-  __device__ __forceinline__ static float accumulate(const Frag<kCpl>& f, int k, int c0, const __nv_bfloat16* vec,
-                                                     const float* lut, float acc) {
-    const int chunks = k / kElemsPerChunk;
-#pragma unroll
-    for (int i = 0; i < kCpl; ++i) {
-      const int c = c0 + threadIdx.x % 32 + 32 * i;
-      if (c >= chunks) break;
-      const uint32_t words[4] = {f.w[i].x, f.w[i].y, f.w[i].z, f.w[i].w};
-      const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(vec + c * kElemsPerChunk);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {          // one 16-element block each
-        float block = 0.f;
-#pragma unroll
-        for (int wi = 0; wi < 2; ++wi) {
-          const uint32_t word = words[half * 2 + wi];  // 8 codes: element 2b low nibble, 2b+1 high
-#pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            const float2 xf = __bfloat1622float2(x2[half * 8 + wi * 4 + b]);
-            block = fmaf(lut[(word >> (8 * b)) & 0xF], xf.x, block);
-            block = fmaf(lut[(word >> (8 * b + 4)) & 0xF], xf.y, block);
-          }
-        }
-        acc = fmaf(block, e4m3_decode(static_cast<uint8_t>(f.s[i] >> (8 * half))), acc);
-      }
-    }
-    return acc;
-  }
-  __device__ __forceinline__ static float global_scale(const ExpertStack& s, int64_t e) { return s.global_scale[e]; }
-  __device__ __forceinline__ static float finish(float gs, float sum) { return sum * gs; }
-};
-
-// Chunks per lane per window: gate_up holds 4 dots × 2 (NVFP4 h = 2048 = 64 chunks: one window),
-// down holds kDownGroup dots × 1 (NVFP4 I = 512 = 16 chunks: one window; BF16 I = 512: two).
-constexpr int kGateUpCpl = 2;
-constexpr int kDownCpl = 1;
-// Experts of one token whose chunks a down warp loads together: ≥ 9 = Qwen3.5/3.6's top-8 + the
-// shared slot, so a row is one group. ptxas (sm_90, no spills): gate_up 80 registers under
-// __launch_bounds__(256, 3) (3 CTAs/SM; 124 unbounded = 2 CTAs/SM, and the B = 1 grid of 288
-// CTAs would spill into a second wave of 264 slots); down 100 NVFP4 / 86 BF16 (2 CTAs/SM).
-// Bytes in flight per SM, NVFP4 35B-A3B: gate_up 24 warps × 4 dots × 1 KB ≈ 96 KB, down 16 warps
-// × 9 dots × 256 B ≈ 37 KB — above the ≈ 32 KB Little's law asks for (v1: one dot per warp at a
-// time, ≤ 16 KB at full occupancy, and at B = 1 only 128 down CTAs × 8 warps × 256 B = 2 KB/SM).
-constexpr int kDownGroup = 12;
-
-__device__ __forceinline__ void fill_e2m1_table(float* lut) {
-  if (threadIdx.x < 16) {   // magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}; bit 3 = sign
-    const int m = threadIdx.x & 7;
-    const float mag = m < 4 ? 0.5f * m : (m == 4 ? 2.f : m == 5 ? 3.f : m == 6 ? 4.f : 6.f);
-    lut[threadIdx.x] = (threadIdx.x & 8) ? -mag : mag;
-  }
+Workspace workspace_layout(int64_t num_tokens, int top_k, int num_experts, int hidden, int inter) {
+  auto align = [](size_t v) { return (v + 255) / 256 * 256; };
+  const size_t pairs = static_cast<size_t>(num_tokens) * top_k;
+  const size_t groups = std::min(pairs, static_cast<size_t>(num_experts));
+  Workspace w;
+  size_t off = 0;
+  w.num_groups = off; off = align(off + sizeof(int32_t));
+  w.expert = off;     off = align(off + groups * sizeof(int32_t));
+  w.start = off;      off = align(off + (groups + 1) * sizeof(int32_t));
+  w.pairs = off;      off = align(off + pairs * sizeof(int32_t));
+  w.act = off;        off = align(off + pairs * inter * sizeof(__nv_bfloat16));
+  w.d = off;          off = align(off + pairs * hidden * sizeof(__nv_bfloat16));
+  w.bytes = off;
+  return w;
 }
 
-// Stage `count` bf16 values (count % 8 == 0, 16-byte aligned) into shared memory.
-__device__ __forceinline__ void stage(__nv_bfloat16* dst, const __nv_bfloat16* src, int count) {
-  for (int i = threadIdx.x; i < count / 8; i += kThreads) {
-    reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-  }
-}
+struct GroupTables {
+  int32_t* num_groups;   // [1]
+  int32_t* expert;       // [G]
+  int32_t* start;        // [G + 1]
+  int32_t* pairs;        // [T·k]
+};
 
-// grid (ceil(I / kRowsPerCta), T·k): act[p, n] = bf16(silu(bf16(gate·x)) · bf16(up·x)).
-// A warp owns rows n0, n0+1 (kRowsPerWarp = 2) and their 4 dots (gate, up of each row): per
-// window of K it loads the 4 fragments, then accumulates them in v1's order.
-// 3 CTAs per SM (≤ 80 registers, no spills; 124 unbounded = 2 CTAs): the B = 1 grid of
-// 32 × 9 = 288 CTAs then fits one wave of 132 × 3.
-template <typename W>
-__global__ void __launch_bounds__(kThreads, 3) moe_gate_up_kernel(
-    const __nv_bfloat16* __restrict__ x,   // [T, h]
-    const int32_t* __restrict__ ids,       // [T·k]
-    const int32_t* __restrict__ pair_order,   // [T·k] or nullptr
-    ExpertStack gate, ExpertStack up,      // [E, I, h]
-    __nv_bfloat16* __restrict__ act,       // [T·k, I]
-    int top_k, int num_experts, int hidden, int inter) {
-  static_assert(kRowsPerWarp == 2, "the dot arrays below hold 2 rows × (gate, up)");
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* lut = reinterpret_cast<float*>(smem);                                  // [16]
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + 16 * sizeof(float));  // [h]
-  fill_e2m1_table(lut);
-  pdl_wait();                  // ids come from moe_route, x from the norm before it
+// ---- 1. group the pairs by expert ------------------------------------------------------------
+
+constexpr int kGroupThreads = 256;
+constexpr int kGroupStagedIds = 4096;   // ids kept in smem for the scatter warp (beyond: re-read, L2)
+
+// grid (1), block kGroupThreads; dynamic smem (E + min(T·k, kGroupStagedIds)) int32.
+__global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(
+    const int32_t* __restrict__ ids,   // [T·k]
+    int num_pairs,                     // T·k
+    int num_experts,                   // E
+    GroupTables g) {
+  extern __shared__ int32_t group_smem[];
+  int32_t* cursor = group_smem;                   // [E]: count, then next free pairs[] index
+  int32_t* staged = group_smem + num_experts;     // [min(T·k, kGroupStagedIds)] ids
+  __shared__ int32_t warp_total[2][kGroupThreads / 32];   // (pairs, experts hit) per warp
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  pdl_wait();                 // ids come from moe_route
   pdl_launch_dependents();
-  const int64_t p = pair_order != nullptr ? pair_order[blockIdx.y] : blockIdx.y;
-  const int e = ids[p];
-  const bool valid = e >= 0 && e < num_experts;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n0 = blockIdx.x * kRowsPerCta + warp * kRowsPerWarp;
-  const bool live[2] = {n0 < inter, n0 + 1 < inter};
-  constexpr int kWindow = 32 * kGateUpCpl;                 // chunks per window
-  const int chunks = hidden / W::kElemsPerChunk;
-  Frag<kGateUpCpl> f[4];                                   // [row 0 gate, row 0 up, row 1 gate, row 1 up]
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  // window 0's weights do not depend on x: issue them before staging x
-  auto load_window = [&](int c0) {
+  for (int e = tid; e < num_experts; e += kGroupThreads) cursor[e] = 0;
+  __syncthreads();
+  const int num_staged = min(num_pairs, kGroupStagedIds);
+  for (int p = tid; p < num_pairs; p += kGroupThreads) {
+    const int e = ids[p];
+    if (p < num_staged) staged[p] = e;
+    if (e >= 0 && e < num_experts) atomicAdd(&cursor[e], 1);
+  }
+  __syncthreads();
+
+  // exclusive scans of (count, hit) over experts: thread tid owns experts [e0, e1)
+  const int per = ceil_div(num_experts, kGroupThreads);
+  const int e0 = min(tid * per, num_experts), e1 = min(e0 + per, num_experts);
+  int count = 0, hits = 0;
+  for (int e = e0; e < e1; ++e) {
+    count += cursor[e];
+    hits += cursor[e] > 0;
+  }
+  int count_incl = count, hits_incl = hits;   // inclusive over the warp
 #pragma unroll
-    for (int d = 0; d < 4; ++d) {
-      if (valid && live[d / 2]) W::load(d % 2 == 0 ? gate : up, e, n0 + d / 2, inter, hidden, c0, f[d]);
+  for (int off = 1; off < 32; off <<= 1) {
+    const int c = __shfl_up_sync(0xffffffffu, count_incl, off), h = __shfl_up_sync(0xffffffffu, hits_incl, off);
+    if (lane >= off) {
+      count_incl += c;
+      hits_incl += h;
+    }
+  }
+  if (lane == 31) {
+    warp_total[0][warp] = count_incl;
+    warp_total[1][warp] = hits_incl;
+  }
+  __syncthreads();
+  int next = count_incl - count, slot = hits_incl - hits;
+  for (int w = 0; w < warp; ++w) {
+    next += warp_total[0][w];
+    slot += warp_total[1][w];
+  }
+  for (int e = e0; e < e1; ++e) {
+    const int c = cursor[e];
+    if (c > 0) {
+      g.expert[slot] = e;
+      g.start[slot] = next;
+      ++slot;
+    }
+    cursor[e] = next;
+    next += c;
+  }
+  if (tid == kGroupThreads - 1) {   // its run ends at E: next = valid pairs, slot = groups
+    *g.num_groups = slot;
+    g.start[slot] = next;
+  }
+  __syncthreads();
+
+  // scatter in pair order (stable): 32 pairs per step, lanes with the same expert ranked by lane
+  if (warp != 0) return;
+  for (int base = 0; base < num_pairs; base += 32) {
+    const int p = base + lane;
+    const int e = p < num_pairs ? (p < num_staged ? staged[p] : ids[p]) : -1;
+    const bool valid = e >= 0 && e < num_experts;
+    const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1);
+    const int leader = __ffs(peers) - 1;
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    int pos = valid && lane == leader ? cursor[e] : 0;
+    pos = __shfl_sync(0xffffffffu, pos, leader);
+    if (valid) {
+      g.pairs[pos + rank] = p;
+      if (lane == leader) cursor[e] = pos + __popc(peers);
+    }
+    __syncwarp();
+  }
+}
+
+// ---- 2, 3. grouped GEMV on tensor cores ------------------------------------------------------
+
+constexpr int kWarps = 2;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTileN = 16;                                // rows of one mma A tile
+constexpr int kTilesPerWarp = 2;                          // gate_up: (gate, up) rows n..n+16; down: n..n+32
+constexpr int kCtaRows = kWarps * kTilesPerWarp * kTileN;   // 64 weight rows staged per CTA
+constexpr int kChunkK = 128;                              // K per pipeline stage
+constexpr int kXRowBytes = kChunkK * 2;                   // 256 activation bytes per row per chunk
+constexpr int kXUnits = kXRowBytes / 16;                  // 16 units of 8 bf16
+constexpr int kMaxMT = 4;                                 // n8 tiles: ≤ 32 columns (pairs) per pass
+static_assert(kThreads == kCtaRows, "thread tid owns the scale bytes and row pointer of local row tid");
+
+// (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7): the K permutation of one 16-byte bf16 unit, giving
+// the B fragment (activations) or the A fragment registers (BF16 weights) of mma steps h = 0, 1.
+__device__ __forceinline__ uint4 permute_unit(uint4 a) {
+  return make_uint4(prmt(a.x, a.z, 0x5410), prmt(a.x, a.z, 0x7632), prmt(a.y, a.w, 0x5410), prmt(a.y, a.w, 0x7632));
+}
+
+// Weight formats: bytes per row per chunk, copy pieces, and the lane's A fragment of word wd.
+struct Nvfp4Format {
+  static constexpr bool kScaled = true;
+  static constexpr int kStages = 6;                  // 5 chunks in flight: 23 KB per CTA at MT = 1
+  static constexpr int kRowBytes = kChunkK / 2;      // 64 packed bytes
+  static constexpr int kScaleBytes = kChunkK / 16;   // 8 e4m3 block scales
+  static constexpr int kPieces = kRowBytes / 16;     // 16-byte copies per row per chunk
+  static constexpr int kPieceK = kChunkK / kPieces;  // k per piece
+  __host__ __device__ static int64_t row_bytes(int k) { return k / 2; }
+  __device__ static int slot(int lr, int u) { return lr * kRowBytes + u * 16; }   // conflict-free unswizzled
+  struct Frag {
+    uint4 qa, qb;              // rows g, g+8: codes of k [32t, 32t+32)
+    __nv_bfloat162 fa, fb;     // their two block scales · 2^119
+  };
+  __device__ static Frag load(const uint8_t* w, const uint8_t* s, int row0, int g, int t) {
+    Frag f;
+    f.qa = *reinterpret_cast<const uint4*>(w + slot(row0 + g, t));
+    f.qb = *reinterpret_cast<const uint4*>(w + slot(row0 + g + 8, t));
+    f.fa = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(s + (row0 + g) * kScaleBytes + 2 * t));
+    f.fb = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(s + (row0 + g + 8) * kScaleBytes + 2 * t));
+    return f;
+  }
+  // word wd: k = 32t + 8wd .. +8, block 2t + wd/2
+  __device__ static void word(const Frag& f, const uint8_t*, int, int, int, int wd, uint32_t (&ra)[4],
+                              uint32_t (&rb)[4]) {
+    const uint32_t qa[4] = {f.qa.x, f.qa.y, f.qa.z, f.qa.w}, qb[4] = {f.qb.x, f.qb.y, f.qb.z, f.qb.w};
+    dequant_word(qa[wd], wd < 2 ? __low2bfloat162(f.fa) : __high2bfloat162(f.fa), ra);
+    dequant_word(qb[wd], wd < 2 ? __low2bfloat162(f.fb) : __high2bfloat162(f.fb), rb);
+  }
+};
+
+struct Bf16Format {
+  static constexpr bool kScaled = false;
+  static constexpr int kStages = 4;                  // 4× the bytes per chunk of NVFP4
+  static constexpr int kRowBytes = kChunkK * 2;      // 256
+  static constexpr int kScaleBytes = 0;
+  static constexpr int kPieces = kRowBytes / 16;     // 16
+  static constexpr int kPieceK = kChunkK / kPieces;  // 8
+  __host__ __device__ static int64_t row_bytes(int k) { return static_cast<int64_t>(k) * 2; }
+  __device__ static int slot(int lr, int u) { return lr * kRowBytes + bf16_unit_slot(lr, u) * 16; }
+  struct Frag {};
+  __device__ static Frag load(const uint8_t*, const uint8_t*, int, int, int) { return {}; }
+  __device__ static void word(const Frag&, const uint8_t* w, int row0, int g, int t, int wd, uint32_t (&ra)[4],
+                              uint32_t (&rb)[4]) {
+    const uint4 a = permute_unit(*reinterpret_cast<const uint4*>(w + slot(row0 + g, 4 * t + wd)));
+    const uint4 b = permute_unit(*reinterpret_cast<const uint4*>(w + slot(row0 + g + 8, 4 * t + wd)));
+    ra[0] = a.x; ra[1] = a.y; ra[2] = a.z; ra[3] = a.w;
+    rb[0] = b.x; rb[1] = b.y; rb[2] = b.z; rb[3] = b.w;
+  }
+};
+
+// Byte offsets inside one pipeline stage.
+struct StageLayout {
+  int w_off;   // [64 rows][kRowBytes]     weights
+  int s_off;   // [64 rows][kScaleBytes]   e4m3 block scales (NVFP4)
+  int x_off;   // [8·MT rows][256 B]       bf16 activations, swizzled units
+  int bytes;
+};
+
+template <class F, int MT>
+__host__ __device__ constexpr StageLayout stage_layout() {
+  return StageLayout{0, kCtaRows * F::kRowBytes, kCtaRows * (F::kRowBytes + F::kScaleBytes),
+                     kCtaRows * (F::kRowBytes + F::kScaleBytes) + 8 * MT * kXRowBytes};
+}
+
+struct GroupedGemv {
+  const __nv_bfloat16* b;   // gate_up: x [T, h]; down: act [T·k, I] — B row of pair p: b + src(p)·K
+  ExpertStack a[2];         // gate_up: gate, up [E, I, h]; down: down, down [E, h, I]
+  GroupTables groups;
+  __nv_bfloat16* out;       // gate_up: act [T·k, I]; down: d [T·k, h]
+  int n;                    // N weight rows per expert: I | h
+  int k;                    // K: h | I (also the B row length)
+  int top_k;
+};
+
+// grid (row tiles, G): CTA (x, s) = rows x of group s's expert for all the group's pairs.
+// gate_up (kGateUp): rows n = 32x + 16w + (0..15) of gate (tile 0) and up (tile 1) of warp w,
+// act[p, n] = bf16(silu(bf16(gate·x)) · bf16(up·x)). down: rows n = 64x + 32w + 16i + (0..15)
+// (tile i), d[p, n] = bf16(down·act[p]).
+template <class F, bool kGateUp, int MT>
+__global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid_constant__ GroupedGemv p) {
+  constexpr StageLayout lay = stage_layout<F, MT>();
+  constexpr int kStages = F::kStages;
+  constexpr int kCols = 8 * MT;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ const uint8_t* w_rows[kCtaRows];   // local row lr's first byte in the stack; nullptr: n ≥ N
+  __shared__ int32_t col_pair[kCols];           // the pair of mma column c in this pass
+  __shared__ int64_t col_src[kCols];            // element offset of column c's B row in p.b
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const uint32_t smem_base = smem_u32(smem);
+  const int s = blockIdx.y, K = p.k, N = p.n;
+
+  if constexpr (kGateUp) {     // the group tables come from the kernel just before
+    pdl_wait();
+    pdl_launch_dependents();
+  }
+  // down: the group tables were complete before this grid launched (see the header: PDL)
+  const int num_groups = *p.groups.num_groups;
+  if (s >= num_groups) {
+    if constexpr (!kGateUp) pdl_wait();   // every CTA waits before it exits
+    return;
+  }
+  const int e = p.groups.expert[s];
+  const int first = p.groups.start[s], count = p.groups.start[s + 1] - first;
+
+  // ---- the CTA's 64 weight rows (thread tid: local row tid) ----
+  const uint8_t* s_row = nullptr;   // [K/16] e4m3: row tid's block scales (NVFP4), nullptr past N
+  {
+    const int lr = tid, tile = lr / kTileN;
+    const int i = kGateUp ? tile % kTilesPerWarp : 0;
+    const int n = kGateUp ? blockIdx.x * (kWarps * kTileN) + (tile / kTilesPerWarp) * kTileN + lr % kTileN
+                          : blockIdx.x * kCtaRows + lr;
+    const int64_t row = static_cast<int64_t>(e) * N + n;
+    w_rows[lr] = n < N ? static_cast<const uint8_t*>(p.a[i].weight) + row * F::row_bytes(K) : nullptr;
+    if constexpr (F::kScaled) s_row = n < N ? p.a[i].block_scale + row * (K / 16) : nullptr;
+  }
+  const int num_chunks = ceil_div(K, kChunkK);
+  const bool k_vec = K % kChunkK == 0;
+
+  // Stage at byte offset st ← chunk c's weights (and scales). Weights are constants: no kernel
+  // before this one writes them, so down issues its first chunks before griddepcontrol.wait.
+  auto issue_weights = [&](int st, int c) {
+    const int k_rem = K - c * kChunkK;
+#pragma unroll
+    for (int j = 0; j < F::kPieces; ++j) {
+      const int q = tid + kThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
+      const uint8_t* row = w_rows[lr];
+      const bool ok = row != nullptr && u * F::kPieceK < k_rem;
+      cp_async16(smem_base + st + lay.w_off + F::slot(lr, u), ok ? row + c * F::kRowBytes + u * 16 : p.a[0].weight,
+                 ok ? 16 : 0);
+    }
+    if constexpr (F::kScaled) {
+      if (k_vec) {
+        cp_async8(smem_base + st + lay.s_off + tid * F::kScaleBytes,
+                  s_row != nullptr ? s_row + c * F::kScaleBytes : p.a[0].block_scale, s_row != nullptr ? 8 : 0);
+      } else {   // K % 128 != 0: a row's scales are only 2-byte aligned (K/16 even)
+        uint16_t* dst = reinterpret_cast<uint16_t*>(smem + st + lay.s_off + tid * F::kScaleBytes);
+#pragma unroll
+        for (int j = 0; j < F::kScaleBytes / 2; ++j) {
+          const bool ok = s_row != nullptr && 32 * j < k_rem;
+          dst[j] = ok ? __ldg(reinterpret_cast<const uint16_t*>(s_row + c * F::kScaleBytes) + j) : uint16_t(0);
+        }
+      }
     }
   };
-  load_window(0);
-  stage(xs, x + (p / top_k) * hidden, hidden);
-  __syncthreads();
-  for (int c0 = 0; c0 < chunks; c0 += kWindow) {
-    if (c0 > 0) load_window(c0);
-#pragma unroll
-    for (int d = 0; d < 4; ++d) {
-      if (valid && live[d / 2]) acc[d] = W::accumulate(f[d], hidden, c0, xs, lut, acc[d]);
+  // Stage st ← chunk c's activations of the pass's `rows` columns: thread tid copies unit
+  // tid % 16 of rows tid / 16, tid / 16 + 4, …
+  const int x_u = tid % kXUnits, x_r0 = tid / kXUnits;
+  constexpr int kXRowStep = kThreads / kXUnits;
+  auto issue_acts = [&](int st, int c, int rows) {
+    const bool ok = 8 * x_u < K - c * kChunkK;
+    for (int r = x_r0; r < rows; r += kXRowStep) {
+      const __nv_bfloat16* src = p.b + col_src[r] + c * kChunkK + 8 * x_u;
+      cp_async16(smem_base + st + lay.x_off + r * kXRowBytes + bf16_unit_slot(r, x_u) * 16, ok ? src : p.b,
+                 ok ? 16 : 0);
     }
-  }
-  // the two global scales are read here, not with the chunks: held across the window loop they
-  // pushed the NVFP4 instance past 80 registers (ptxas spilled 36 bytes); one L2 hit per warp
-  const float gs_gate = valid ? W::global_scale(gate, e) : 0.f, gs_up = valid ? W::global_scale(up, e) : 0.f;
+  };
+
+  float acc[kTilesPerWarp][MT][4];
+  // One chunk on the tensor cores: 4 words × 2 mma steps × 2 tiles × the live n8 tiles.
+  auto compute_stage = [&](int st, int live_mt) {
+    const uint8_t* ws = smem + st + lay.w_off;
+    const uint8_t* xs = smem + st + lay.x_off;
+    typename F::Frag f[kTilesPerWarp];
 #pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    if (!live[i]) break;
-    float a = 0.f;
-    if (valid) {
-      const float g = round_bf16(W::finish(gs_gate, warp_sum(acc[2 * i])));
-      const float u = round_bf16(W::finish(gs_up, warp_sum(acc[2 * i + 1])));
-      a = g / (1.f + expf(-g)) * u;
+    for (int i = 0; i < kTilesPerWarp; ++i) f[i] = F::load(ws, smem + st + lay.s_off, (warp * kTilesPerWarp + i) * kTileN, g, t);
+#pragma unroll
+    for (int wd = 0; wd < 4; ++wd) {
+      uint32_t ra[kTilesPerWarp][4], rb[kTilesPerWarp][4];
+#pragma unroll
+      for (int i = 0; i < kTilesPerWarp; ++i) F::word(f[i], ws, (warp * kTilesPerWarp + i) * kTileN, g, t, wd, ra[i], rb[i]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (mt >= live_mt) break;   // warp-uniform
+        const uint4 xv = permute_unit(
+            *reinterpret_cast<const uint4*>(xs + (8 * mt + g) * kXRowBytes + bf16_unit_slot(8 * mt + g, 4 * t + wd) * 16));
+#pragma unroll
+        for (int i = 0; i < kTilesPerWarp; ++i) {
+          mma_bf16_16816(acc[i][mt], ra[i][0], rb[i][0], ra[i][1], rb[i][1], xv.x, xv.y);   // h = 0
+          mma_bf16_16816(acc[i][mt], ra[i][2], rb[i][2], ra[i][3], rb[i][3], xv.z, xv.w);   // h = 1
+        }
+      }
     }
-    if (lane == 0) act[p * inter + n0 + i] = __float2bfloat16(a);
+  };
+
+  // ---- passes of ≤ 8·MT pairs (one pass unless M > 8·MT) ----
+  for (int c0 = 0; c0 < count; c0 += kCols) {
+    const int rows = min(kCols, count - c0), live_mt = ceil_div(rows, 8);
+    if (tid < rows) {
+      const int pair = p.groups.pairs[first + c0 + tid];
+      col_pair[tid] = pair;
+      col_src[tid] = static_cast<int64_t>(kGateUp ? pair / p.top_k : pair) * K;
+    }
+    __syncthreads();   // w_rows, col_pair, col_src visible; the previous pass is done with the stages
+    const bool warp_live = w_rows[warp * kTilesPerWarp * kTileN] != nullptr;   // N % 32 == 0: all or none
+    // prologue: group 0 = the first kStages − 1 chunks' weights + chunk 0's activations,
+    // group q = chunk q's activations
+#pragma unroll
+    for (int q = 0; q < kStages - 1; ++q) {
+      if (q < num_chunks) issue_weights(q * lay.bytes, q);
+    }
+    if (!kGateUp && c0 == 0) {   // act comes from the gate_up kernel
+      pdl_wait();
+      pdl_launch_dependents();
+    }
+#pragma unroll
+    for (int q = 0; q < kStages - 1; ++q) {
+      if (q < num_chunks) issue_acts(q * lay.bytes, q, rows);
+      cp_async_commit();
+    }
+#pragma unroll
+    for (int i = 0; i < kTilesPerWarp; ++i) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[i][mt][q] = 0.0f;
+      }
+    }
+    int cur = 0;                                  // stage offset of chunk c
+    int fill = (kStages - 1) * lay.bytes;         // stage offset of chunk c − 1 (refilled at c)
+    for (int c = 0; c < num_chunks; ++c) {
+      cp_async_wait<kStages - 2>();   // this thread's copies of chunk c landed
+      __syncthreads();                // … everyone's; every warp is done with chunk c − 1's stage
+      if (c + kStages - 1 < num_chunks) {
+        issue_weights(fill, c + kStages - 1);
+        issue_acts(fill, c + kStages - 1, rows);
+      }
+      cp_async_commit();
+      if (warp_live) compute_stage(cur, live_mt);
+      fill = cur;
+      cur = cur + lay.bytes == kStages * lay.bytes ? 0 : cur + lay.bytes;
+    }
+
+    // ---- store: y = acc · global_scale · 2^7 (NVFP4) | acc (BF16), rounded once to bf16 ----
+    if (warp_live) {
+      float f0 = 1.0f, f1 = 1.0f;
+      if constexpr (F::kScaled) {
+        f0 = p.a[0].global_scale[e] * kOutBias;
+        f1 = kGateUp ? p.a[1].global_scale[e] * kOutBias : f0;
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (mt >= live_mt) break;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int col = 8 * mt + 2 * t + (q & 1), r = g + 8 * (q >> 1);
+          if (col >= rows) continue;
+          const int64_t out_row = static_cast<int64_t>(col_pair[col]) * N;
+          if constexpr (kGateUp) {
+            const int n = blockIdx.x * (kWarps * kTileN) + warp * kTileN + r;
+            const float gv = __bfloat162float(__float2bfloat16(acc[0][mt][q] * f0));
+            const float uv = __bfloat162float(__float2bfloat16(acc[1][mt][q] * f1));
+            p.out[out_row + n] = __float2bfloat16(gv / (1.0f + expf(-gv)) * uv);
+          } else {
+#pragma unroll
+            for (int i = 0; i < kTilesPerWarp; ++i) {
+              const int n = blockIdx.x * kCtaRows + (warp * kTilesPerWarp + i) * kTileN + r;
+              p.out[out_row + n] = __float2bfloat16(acc[i][mt][q] * f0);
+            }
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();   // only empty groups are left
+    __syncthreads();      // every warp is done with col_pair and the stages before the next pass
   }
 }
 
-// grid (T, ceil(h / kRowsPerCta)): out[t, n] = Σ_j weights[t, j] · bf16(down_{ids[t,j]}[n] · act[t·k+j]).
-// A warp owns rows n0, n0+1; per row, per group of ≤ kDownGroup slots, per window of I: it loads
-// the group's fragments, then accumulates them; the weighted sum runs over j in slot order (v1).
-template <typename W>
-__global__ void __launch_bounds__(kThreads) moe_down_kernel(
-    const __nv_bfloat16* __restrict__ act,   // [T·k, I]
-    const int32_t* __restrict__ ids,         // [T, k]
-    const float* __restrict__ weights,       // [T, k]
-    ExpertStack down,                        // [E, h, I]
+// ---- 4. combine -------------------------------------------------------------------------------
+
+constexpr int kCombineThreads = 128;
+constexpr int kCombineVec = 8;   // columns per thread (one 16-byte load per slot)
+
+// grid (ceil(h / (8·128)), T): out[t, n .. n+8] = Σ_j weights[t, j] · d[t·k + j, n .. n+8] over
+// the in-range slots in order (f32 fmaf), then the shared-expert term or the output rounding.
+__global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(
+    const __nv_bfloat16* __restrict__ d,       // [T·k, h]
+    const int32_t* __restrict__ ids,           // [T, k]
+    const float* __restrict__ weights,         // [T, k]
     const __nv_bfloat16* __restrict__ shared,        // [T, h] or nullptr
     const __nv_bfloat16* __restrict__ shared_gate,   // [T] (stride shared_gate_stride)
     int64_t shared_gate_stride,
     bool out_bf16,
-    void* __restrict__ out,                  // [T, h] f32 | bf16 (shared or out_bf16)
-    int top_k, int num_experts, int hidden, int inter) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* lut = reinterpret_cast<float*>(smem);                                  // [16]
-  __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem + 16 * sizeof(float));  // [k, I]
-  int32_t* ids_s = reinterpret_cast<int32_t*>(as + top_k * inter);              // [k]
-  float* w_s = reinterpret_cast<float*>(ids_s + top_k);                         // [k]
-  float* gs_s = w_s + top_k;                                                    // [k] global scales
-  const int64_t t = blockIdx.x;
-  fill_e2m1_table(lut);
-  pdl_wait();                  // act comes from the gate_up pass
+    void* __restrict__ out,                    // [T, h] f32 | bf16 (shared or out_bf16)
+    int top_k, int num_experts, int hidden) {
+  __shared__ float w_s[kMoeExpertsMaxTopK];      // weight of slot j
+  __shared__ bool valid_s[kMoeExpertsMaxTopK];   // ids[t, j] in [0, E): d row written
+  const int64_t t = blockIdx.y;
+  const int n0 = (blockIdx.x * kCombineThreads + threadIdx.x) * kCombineVec;
+  pdl_wait();                  // d comes from the down kernel
   pdl_launch_dependents();
-  stage(as, act + t * top_k * inter, top_k * inter);
   if (threadIdx.x < top_k) {
-    ids_s[threadIdx.x] = ids[t * top_k + threadIdx.x];
-    w_s[threadIdx.x] = weights[t * top_k + threadIdx.x];
     const int e = ids[t * top_k + threadIdx.x];
-    gs_s[threadIdx.x] = e >= 0 && e < num_experts ? W::global_scale(down, e) : 0.f;
+    valid_s[threadIdx.x] = e >= 0 && e < num_experts;
+    w_s[threadIdx.x] = weights[t * top_k + threadIdx.x];
   }
   __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  constexpr int kWindow = 32 * kDownCpl;
-  const int chunks = inter / W::kElemsPerChunk;
-#pragma unroll 1
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int n = blockIdx.y * kRowsPerCta + warp * kRowsPerWarp + i;
-    if (n >= hidden) break;
-    float acc = 0.f;
-#pragma unroll 1
-    for (int j0 = 0; j0 < top_k; j0 += kDownGroup) {
-      Frag<kDownCpl> f[kDownGroup];
-      float dot[kDownGroup];
+  if (n0 >= hidden) return;
+  float acc[kCombineVec] = {};
+#pragma unroll 4
+  for (int j = 0; j < top_k; ++j) {
+    if (!valid_s[j]) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(d + (t * top_k + j) * hidden + n0);
+    const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-      for (int g = 0; g < kDownGroup; ++g) dot[g] = 0.f;
-#pragma unroll 1
-      for (int c0 = 0; c0 < chunks; c0 += kWindow) {
-#pragma unroll
-        for (int g = 0; g < kDownGroup; ++g) {
-          const int j = j0 + g, e = j < top_k ? ids_s[j] : -1;
-          if (e >= 0 && e < num_experts) W::load(down, e, n, hidden, inter, c0, f[g]);
-        }
-#pragma unroll
-        for (int g = 0; g < kDownGroup; ++g) {
-          const int j = j0 + g, e = j < top_k ? ids_s[j] : -1;
-          if (e >= 0 && e < num_experts) dot[g] = W::accumulate(f[g], inter, c0, as + j * inter, lut, dot[g]);
-        }
-      }
-#pragma unroll
-      for (int g = 0; g < kDownGroup; ++g) {
-        const int j = j0 + g, e = j < top_k ? ids_s[j] : -1;
-        if (e < 0 || e >= num_experts) continue;
-        const float d = round_bf16(W::finish(gs_s[j], warp_sum(dot[g])));
-        acc = fmaf(w_s[j], d, acc);
-      }
+    for (int i = 0; i < kCombineVec / 2; ++i) {
+      const float2 f = __bfloat1622float2(v2[i]);
+      acc[2 * i] = fmaf(w_s[j], f.x, acc[2 * i]);
+      acc[2 * i + 1] = fmaf(w_s[j], f.y, acc[2 * i + 1]);
     }
-    if (lane == 0) {
-      if (shared == nullptr) {
-        if (out_bf16) {
-          static_cast<__nv_bfloat16*>(out)[t * hidden + n] = __float2bfloat16(acc);
-        } else {
-          static_cast<float*>(out)[t * hidden + n] = acc;
-        }
-      } else {
-        const float sg = __bfloat162float(shared_gate[t * shared_gate_stride]);
-        const float v = acc + __bfloat162float(shared[t * hidden + n]) / (1.f + expf(-sg));
-        static_cast<__nv_bfloat16*>(out)[t * hidden + n] = __float2bfloat16(v);
-      }
-    }
+  }
+  const int64_t o = t * hidden + n0;
+  if (shared != nullptr) {
+    const float sg = __bfloat162float(shared_gate[t * shared_gate_stride]);
+    const uint4 sv = *reinterpret_cast<const uint4*>(shared + o);
+    const __nv_bfloat16* sh = reinterpret_cast<const __nv_bfloat16*>(&sv);
+    __align__(16) __nv_bfloat16 r[kCombineVec];
+#pragma unroll
+    for (int i = 0; i < kCombineVec; ++i) r[i] = __float2bfloat16(acc[i] + __bfloat162float(sh[i]) / (1.0f + expf(-sg)));
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(out) + o) = *reinterpret_cast<const uint4*>(r);
+  } else if (out_bf16) {
+    __align__(16) __nv_bfloat16 r[kCombineVec];
+#pragma unroll
+    for (int i = 0; i < kCombineVec; ++i) r[i] = __float2bfloat16(acc[i]);
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(out) + o) = *reinterpret_cast<const uint4*>(r);
+  } else {
+    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(out) + o);
+    dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
   }
 }
 
-template <typename W>
-cudaError_t launch_typed(const MoeExpertsArgs& a, cudaStream_t stream) {
-  const int64_t pairs = a.num_tokens * a.top_k;
-  const size_t lut_bytes = 16 * sizeof(float);
-  const size_t gate_smem = lut_bytes + static_cast<size_t>(a.hidden) * 2;
-  const size_t down_smem = lut_bytes + static_cast<size_t>(a.top_k) * (a.inter * 2 + 12);   // + ids, weights, scales
-  if (down_smem > 48 * 1024) {
-    ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(moe_down_kernel<W>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(down_smem)));
+// ---- launchers --------------------------------------------------------------------------------
+
+constexpr int kMaxDevices = 64;   // per-device opt-in bookkeeping
+
+template <class F, bool kGateUp, int MT>
+cudaError_t launch_grouped_gemv(const GroupedGemv& p, dim3 grid, cudaStream_t stream) {
+  auto kernel = moe_grouped_gemv_kernel<F, kGateUp, MT>;
+  constexpr int smem = F::kStages * stage_layout<F, MT>().bytes;
+  // Opt in above the default 48 KB once per device and instance (later calls, e.g. under graph
+  // capture, make no attribute call).
+  if constexpr (smem > 48 * 1024) {
+    static bool opted_in[kMaxDevices] = {};
+    int dev = 0;
+    ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
+    if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
+    if (!opted_in[dev]) {
+      ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      opted_in[dev] = true;
+    }
   }
-  ATLAS_RETURN_IF_ERROR(launch_pdl(moe_gate_up_kernel<W>, dim3(ceil_div(a.inter, kRowsPerCta), static_cast<unsigned>(pairs)),
-                                   dim3(kThreads), gate_smem, stream, static_cast<const __nv_bfloat16*>(a.x), a.ids,
-                                   a.pair_order, a.gate, a.up, static_cast<__nv_bfloat16*>(a.act), a.top_k,
-                                   a.num_experts, a.hidden, a.inter));
-  return launch_pdl(moe_down_kernel<W>, dim3(static_cast<unsigned>(a.num_tokens), ceil_div(a.hidden, kRowsPerCta)),
-                    dim3(kThreads), down_smem, stream, static_cast<const __nv_bfloat16*>(a.act), a.ids, a.weights,
-                    a.down, static_cast<const __nv_bfloat16*>(a.shared),
-                    static_cast<const __nv_bfloat16*>(a.shared_gate), a.shared_gate_stride, a.out_bf16, a.out, a.top_k,
-                    a.num_experts, a.hidden, a.inter);
+  return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);
+}
+
+// MT = n8 column tiles = ceil(T / 8) clamped to [1, 4]: a group holds ≤ T pairs when a row's ids
+// are distinct (moe_route's are); more pairs (T > 32, repeated ids) loop over passes.
+template <class F, bool kGateUp>
+cudaError_t launch_grouped_gemv_mt(int mt, const GroupedGemv& p, dim3 grid, cudaStream_t stream) {
+  switch (mt) {
+    case 1: return launch_grouped_gemv<F, kGateUp, 1>(p, grid, stream);
+    case 2: return launch_grouped_gemv<F, kGateUp, 2>(p, grid, stream);
+    case 3: return launch_grouped_gemv<F, kGateUp, 3>(p, grid, stream);
+    default: return launch_grouped_gemv<F, kGateUp, kMaxMT>(p, grid, stream);
+  }
+}
+
+template <class F>
+cudaError_t launch_typed(const MoeExpertsArgs& a, const GroupTables& groups, const Workspace& ws, cudaStream_t stream) {
+  uint8_t* base = static_cast<uint8_t*>(a.workspace);
+  auto* act = reinterpret_cast<__nv_bfloat16*>(base + ws.act);
+  auto* d = reinterpret_cast<__nv_bfloat16*>(base + ws.d);
+  const int64_t pairs = a.num_tokens * a.top_k;
+  const unsigned max_groups = static_cast<unsigned>(std::min<int64_t>(pairs, a.num_experts));
+  const int mt = static_cast<int>(std::min<int64_t>(kMaxMT, ceil_div<int64_t>(a.num_tokens, 8)));
+
+  GroupedGemv gate_up{static_cast<const __nv_bfloat16*>(a.x), {a.gate, a.up}, groups, act, a.inter, a.hidden, a.top_k};
+  const dim3 gate_up_grid(static_cast<unsigned>(a.inter / (kWarps * kTileN)), max_groups);
+  ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, true>(mt, gate_up, gate_up_grid, stream)));
+  GroupedGemv down{act, {a.down, a.down}, groups, d, a.hidden, a.inter, a.top_k};
+  const dim3 down_grid(static_cast<unsigned>(ceil_div(a.hidden, kCtaRows)), max_groups);
+  ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, false>(mt, down, down_grid, stream)));
+  return launch_pdl(moe_combine_kernel,
+                    dim3(static_cast<unsigned>(ceil_div(a.hidden, kCombineThreads * kCombineVec)),
+                         static_cast<unsigned>(a.num_tokens)),
+                    dim3(kCombineThreads), 0, stream, static_cast<const __nv_bfloat16*>(d), a.ids, a.weights,
+                    static_cast<const __nv_bfloat16*>(a.shared), static_cast<const __nv_bfloat16*>(a.shared_gate),
+                    a.shared_gate_stride, a.out_bf16, a.out, a.top_k, a.num_experts, a.hidden);
+}
+
+bool sizes_ok(int64_t num_tokens, int top_k, int num_experts, int hidden, int inter) {
+  auto dim_ok = [](int v) { return v >= 32 && v % 32 == 0 && v <= kMoeExpertsMaxHidden; };
+  return dim_ok(hidden) && dim_ok(inter) && num_tokens >= 1 && top_k >= 1 && top_k <= kMoeExpertsMaxTopK &&
+         num_tokens * top_k <= kMoeExpertsMaxPairs && num_experts >= 1 && num_experts <= kMoeExpertsMaxExperts;
 }
 
 }  // namespace
 
+size_t moe_experts_workspace_bytes(int64_t num_tokens, int top_k, int num_experts, int hidden, int inter) {
+  if (!sizes_ok(num_tokens, top_k, num_experts, hidden, inter)) return 0;
+  return workspace_layout(num_tokens, top_k, num_experts, hidden, inter).bytes;
+}
+
 cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
-  const bool dims_ok = a.hidden >= 32 && a.hidden % 32 == 0 && a.hidden <= kMoeExpertsMaxHidden &&
-                       a.inter >= 32 && a.inter % 32 == 0 && a.inter <= kMoeExpertsMaxHidden;
-  const int64_t down_smem = 64 + static_cast<int64_t>(a.top_k) * (a.inter * 2 + 12);
-  if (!dims_ok || a.num_tokens < 1 || a.num_tokens * a.top_k > 65535 || a.top_k < 1 ||
-      a.top_k > kMoeExpertsMaxTopK || a.num_experts < 1 || down_smem > 227 * 1024 || a.x == nullptr ||
-      a.ids == nullptr || a.weights == nullptr || a.act == nullptr || a.out == nullptr ||
+  if (!sizes_ok(a.num_tokens, a.top_k, a.num_experts, a.hidden, a.inter) || a.x == nullptr || a.ids == nullptr ||
+      a.weights == nullptr || a.workspace == nullptr || a.out == nullptr ||
       (a.shared != nullptr && a.shared_gate == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  if (a.nvfp4) {
-    for (const ExpertStack* s : {&a.gate, &a.up, &a.down}) {
-      if (s->weight == nullptr || s->block_scale == nullptr || s->global_scale == nullptr) return cudaErrorInvalidValue;
+  for (const ExpertStack* s : {&a.gate, &a.up, &a.down}) {
+    if (s->weight == nullptr || (a.nvfp4 && (s->block_scale == nullptr || s->global_scale == nullptr))) {
+      return cudaErrorInvalidValue;
     }
-    return launch_typed<Nvfp4Weights>(a, stream);
   }
-  return launch_typed<Bf16Weights>(a, stream);
+  const Workspace ws = workspace_layout(a.num_tokens, a.top_k, a.num_experts, a.hidden, a.inter);
+  uint8_t* base = static_cast<uint8_t*>(a.workspace);
+  const GroupTables groups{reinterpret_cast<int32_t*>(base + ws.num_groups), reinterpret_cast<int32_t*>(base + ws.expert),
+                           reinterpret_cast<int32_t*>(base + ws.start), reinterpret_cast<int32_t*>(base + ws.pairs)};
+  const int pairs = static_cast<int>(a.num_tokens * a.top_k);
+  const size_t group_smem = static_cast<size_t>(a.num_experts + std::min(pairs, kGroupStagedIds)) * sizeof(int32_t);
+  ATLAS_RETURN_IF_ERROR(launch_pdl(moe_group_kernel, dim3(1), dim3(kGroupThreads), group_smem, stream, a.ids, pairs,
+                                   a.num_experts, groups));
+  return a.nvfp4 ? launch_typed<Nvfp4Format>(a, groups, ws, stream) : launch_typed<Bf16Format>(a, groups, ws, stream);
 }
 
 }  // namespace atlas

@@ -1,7 +1,8 @@
-// moe_experts: the routed SwiGLU experts of a sparse MoE block as grouped GEMVs over device-side
-// expert ids (no host sync, graph-capturable). Launcher only; no torch.
+// moe_experts: the routed SwiGLU experts of a sparse MoE block as grouped tensor-core GEMVs over
+// device-side expert ids (no host sync, graph-capturable). Launcher only; no torch.
 #pragma once
 #include <cuda_runtime.h>
+#include <cstddef>
 #include <cstdint>
 
 namespace atlas {
@@ -13,21 +14,21 @@ struct ExpertStack {
   const float* global_scale;   // nvfp4: f32 [E];            bf16: nullptr
 };
 
-constexpr int kMoeExpertsMaxHidden = 8192;   // x row staged in shared memory as bf16 (16 KB)
+constexpr int kMoeExpertsMaxHidden = 8192;    // h and I
 constexpr int kMoeExpertsMaxTopK = 32;
+constexpr int kMoeExpertsMaxExperts = 4096;   // E of the stacks: the grouping kernel's counters live in smem
+constexpr int64_t kMoeExpertsMaxPairs = 65535;  // T·k
 
 struct MoeExpertsArgs {
   const void* x;          // [T, h] bf16, contiguous
   const int32_t* ids;     // [T, k] expert ids in [0, E) (others: that pair contributes 0)
-  const int32_t* pair_order;  // optional [T·k]: gate_up CTA row y runs pair pair_order[y] (pairs
-                              // sorted by expert, so pairs sharing an expert run back to back and
-                              // re-read its weights from L2); nullptr = pair y
   const float* weights;   // [T, k] routing weights
   ExpertStack gate;       // [E, I, h]
   ExpertStack up;         // [E, I, h]
   ExpertStack down;       // [E, h, I]
   bool nvfp4;             // all three stacks NVFP4 (else all BF16)
-  void* act;              // [T·k, I] bf16 scratch: bf16(silu(g)·u) of each (token, slot) pair
+  void* workspace;        // moe_experts_workspace_bytes(T, k, E, h, I) bytes, 256-byte aligned, any
+                          //   contents: the expert groups, act [T·k, I] bf16, d [T·k, h] bf16
   const void* shared;     // optional [T, h] bf16 contiguous: the shared expert's output
   const void* shared_gate;   // [T] bf16 logits, element t at shared_gate + t·shared_gate_stride
   int64_t shared_gate_stride;
@@ -35,14 +36,17 @@ struct MoeExpertsArgs {
   void* out;              // shared == nullptr: [T, h] f32 | bf16 (out_bf16) = Σ_j weights[t, j] ·
                           //   bf16(down_e · act)
                           // else: [T, h] bf16 = bf16(that + sigmoid(shared_gate[t]) · shared[t])
-  int64_t num_tokens;     // T ≥ 1
+  int64_t num_tokens;     // T ≥ 1, T·k ≤ kMoeExpertsMaxPairs
   int top_k;              // k, 1..kMoeExpertsMaxTopK
-  int num_experts;        // E
+  int num_experts;        // E, 1..kMoeExpertsMaxExperts
   int hidden;             // h, % 32 == 0, ≤ kMoeExpertsMaxHidden
   int inter;              // I, % 32 == 0, ≤ kMoeExpertsMaxHidden
 };
 
-// Two launches on `stream` (gate+up+silu, then down+combine); never syncs.
+// Scratch bytes launch_moe_experts needs for these sizes (0 for sizes out of range).
+size_t moe_experts_workspace_bytes(int64_t num_tokens, int top_k, int num_experts, int hidden, int inter);
+
+// Four launches on `stream` (group pairs by expert, gate+up+silu, down, combine); never syncs.
 // cudaErrorInvalidValue outside the ranges above.
 cudaError_t launch_moe_experts(const MoeExpertsArgs& args, cudaStream_t stream);
 

@@ -138,12 +138,16 @@ def test_moe_experts_rejects():
     with pytest.raises(ValueError, match="multiples of 32"):
         ops.moe_experts(x[:, :48].contiguous(), ids, w, gate[:, :, :48].contiguous(), gate[:, :, :48].contiguous(),
                         down[:, :48].contiguous())
+    many = torch.zeros(ops.MOE_EXPERTS_MAX_EXPERTS + 1, 32, 64).bfloat16()   # the grouping kernel's limit
+    with pytest.raises(ValueError, match="E ≤ 4096"):
+        ops.moe_experts(x, ids, w, many, many, many.transpose(1, 2).contiguous())
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("t,k,e", [(1, 8, 256), (8, 8, 256), (32, 8, 256), (3, 10, 512), (5, 2, 8),
-                                   (2, 20, 64)])   # k = 20: two of the down kernel's 12-slot groups
+                                   (2, 20, 64), (17, 8, 256),
+                                   (64, 4, 8)])   # ≈ 32 pairs per expert: groups of > 32 take two passes
 def test_moe_experts_kernel_matches_reference(fmt, t, k, e):
     g = _gen("experts-cuda", fmt, t, k, e)
     inter, h = 512, 2048
@@ -164,8 +168,9 @@ def test_moe_experts_kernel_matches_reference(fmt, t, k, e):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_moe_experts_kernel_batch_invariant(fmt):
-    """Row t of a 32-row call (pairs sorted by expert, down CTAs tokens-fastest) is bitwise the
-    1-row call on that row alone: the batched propose drafts what each sequence drafts alone."""
+    """Row t of a 32-row call (pairs grouped by expert on the device, tensor-core columns) is
+    bitwise the 1-row call on that row alone: the batched propose drafts what each sequence
+    drafts alone."""
     g = _gen("experts-batch-invariant", fmt)
     e, inter, h, t, k = 16, 512, 2048, 32, 9
     (gate, up, down), _ = _stacks(g, e, inter, h, fmt)
@@ -176,6 +181,52 @@ def test_moe_experts_kernel_batch_invariant(fmt):
     out = ops.moe_experts(x, ids, w, gate, up, down, out_dtype=torch.bfloat16)
     for r in range(t):
         one = ops.moe_experts(x[r:r + 1], ids[r:r + 1], w[r:r + 1], gate, up, down, out_dtype=torch.bfloat16)
+        assert torch.equal(out[r:r + 1], one), f"row {r}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("h,inter", [(96, 32), (256, 64), (384, 160)])   # K % 128 != 0: the K-tail paths
+def test_moe_experts_kernel_repeated_and_invalid_ids(fmt, h, inter):
+    """Rows that name one expert several times (a group of up to T·k pairs: several column
+    passes at T·k > 32) and ids outside [0, E) (skipped), vs the reference."""
+    g = _gen("experts-repeated", fmt, h, inter)
+    e, t, k = 4, 9, 6
+    (gate, up, down), _ = _stacks(g, e, inter, h, fmt)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    ids = torch.randint(0, e, (t, k), generator=g).int()
+    ids[0, 1], ids[3, 0], ids[5, 5] = e, -1, e + 7                            # out of range: contribute 0
+    ids[:, 2] = 1                                                            # expert 1: ≥ 9 pairs
+    w = torch.rand(t, k, generator=g)
+    ref = ops.moe_experts(x, ids, w, gate, up, down)
+    out = ops.moe_experts(x.cuda(), ids.cuda(), w.cuda(), _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda"))
+    assert rel_err(out.cpu(), ref) < 5e-3
+    big = torch.full((40, 1), 2, dtype=torch.int32)                          # 40 pairs of expert 2: 2 passes
+    xb = torch.randn(40, h, generator=g).bfloat16()
+    wb = torch.rand(40, 1, generator=g)
+    ref = ops.moe_experts(xb, big, wb, gate, up, down)
+    out = ops.moe_experts(xb.cuda(), big.cuda(), wb.cuda(), _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda"))
+    assert rel_err(out.cpu(), ref) < 5e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_kernel_token_alone_equals_token_in_shared_batch(fmt, out_dtype):
+    """One token alone (every expert group of 1 pair, MT = 1) is bitwise the same token inside a
+    32-token batch where every token picks the same experts (groups of 32 pairs, MT = 4, the
+    token in a different mma column): an expert's dot does not depend on its other columns."""
+    g = _gen("experts-alone-vs-batch", fmt, out_dtype)
+    e, inter, h, t, k = 12, 512, 2048, 32, 8
+    (gate, up, down), _ = _stacks(g, e, inter, h, fmt)
+    gate, up, down = _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda")
+    experts = torch.randperm(e, generator=g)[:k]
+    ids = torch.stack([experts[torch.randperm(k, generator=g)] for _ in range(t)]).int().cuda()   # same set, any slot
+    x = torch.randn(t, h, generator=g).bfloat16().cuda()
+    w = torch.rand(t, k, generator=g).cuda()
+    out = ops.moe_experts(x, ids, w, gate, up, down, out_dtype=out_dtype)
+    for r in (0, 13, 31):
+        one = ops.moe_experts(x[r:r + 1], ids[r:r + 1], w[r:r + 1], gate, up, down, out_dtype=out_dtype)
         assert torch.equal(out[r:r + 1], one), f"row {r}"
 
 

@@ -14,9 +14,10 @@ and converted once at load to `weight_format` ("bf16" | "fp8" | "nvfp4").
 
 Routing never leaves the GPU: router logits → `ops.moe_route` → fixed-size ids int32 [T, k] and
 weights f32 [T, k], and the experts run over those index tensors (see `ExpertBank`), so the
-whole block is CUDA-graph capturable. On CUDA with BF16 or NVFP4 experts the block is four
+whole block is CUDA-graph capturable. On CUDA with BF16 or NVFP4 experts the block is six
 launches: the [router | shared gate] GEMV, moe_route (which also emits the shared expert — stored
-as expert E — as slot k of every row, weight sigmoid(gate)), and moe_experts' two kernels.
+as expert E — as slot k of every row, weight sigmoid(gate)), and moe_experts' four kernels (group
+the pairs by expert, gate+up, down, combine).
 Precision: expert and shared-expert outputs are BF16 (as
 each projection's output is), their weighted sum is accumulated in float32 and rounded to BF16
 once; the router logits are BF16 (the projection's output, as in HF) and are softmaxed in fp32.
@@ -163,8 +164,9 @@ class ExpertBank:
     forward(x [T, h] bf16, ids int32 [T, k], weights f32 [T, k]) → Σ_j weights[:, j] ·
     expert_{ids[:, j]}(x) as float32 [T, h], with each expert's output rounded to BF16 first.
     Device-only strategies (none reads the ids on the host, all graph-capturable):
-      "kernel": ops.moe_experts — grouped GEMVs that read each (row, slot)'s expert straight
-                from the BF16 or NVFP4 stack by its id (two launches; the default on CUDA for
+      "kernel": ops.moe_experts — pairs grouped by expert on the device, then tensor-core
+                grouped GEMVs that read each expert hit once for all its (row, slot) pairs
+                straight from the BF16 or NVFP4 stack (four launches; the default on CUDA for
                 those formats). The torch strategies below serve FP8 stacks and the CPU.
       "gather": dequantize/gather the T·k selected experts' weights and run batched GEMVs —
                 reads T·k experts (plus the copy); right when T·k is small (decode, B = 1).
@@ -243,7 +245,8 @@ class ExpertBank:
     def _default_path(self, x: Tensor, t: int, k: int) -> str:
         h, inter = self.down.shape
         if (use_kernel(x) and self.gate.format in ("bf16", "nvfp4") and t * k <= 65535 and h % 32 == 0
-                and inter % 32 == 0 and h <= 8192 and inter <= 8192 and k <= 32):
+                and inter % 32 == 0 and h <= 8192 and inter <= 8192 and k <= 32
+                and self.gate.num_experts <= ops.MOE_EXPERTS_MAX_EXPERTS):
             return "kernel"
         return "gather" if 3 * t * k < self.num_experts else "dense"
 
@@ -354,8 +357,8 @@ class SparseMoE:
         logits = self.gate_logits(x)
         path = path or self.experts._default_path(x, t, self.top_k)
         if path == "kernel" and self.experts.has_shared_slot:
-            # shared expert = slot k of every row: 4 launches for the whole block (router GEMV,
-            # moe_route, moe_experts' two kernels)
+            # shared expert = slot k of every row: 6 launches for the whole block (router GEMV,
+            # moe_route, moe_experts' four kernels)
             ids, w = ops.moe_route(logits, self.top_k, self.renormalize, shared_slot=True)
             return self.experts(x, ids, w, path=path, out_dtype=torch.bfloat16)
         ids, w = self.route(x, logits)

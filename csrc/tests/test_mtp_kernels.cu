@@ -1,8 +1,8 @@
 // C++ driver (no torch): the MTP-head kernels against host re-implementations of
 // atlas/reference.py — argmax (ids exact, prob ≤ 1e-4 relative), moe_route (ids exact, weights
 // ≤ 1e-5), embedding (bit-exact, bad ids → zero rows), embedding_norm_concat (≤ one bf16 ulp),
-// moe_experts (BF16 and NVFP4 stacks, shared-expert epilogue, pair_order, out-of-range ids;
-// relative error ≤ 5e-3). Outputs are poisoned first. Meant for compute-sanitizer (memcheck:
+// moe_experts (BF16 and NVFP4 stacks, shared-expert epilogue, out-of-range and repeated ids,
+// expert groups of more than 32 pairs, K tails; relative error ≤ 5e-3; workspace poisoned). Outputs are poisoned first. Meant for compute-sanitizer (memcheck:
 // every index path, incl. split tails and strided rows). Exit 77 = no GPU (ctest: skipped).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -277,11 +277,13 @@ struct StackDev {
 };
 
 int test_moe_experts(std::mt19937& rng) {
-  struct C { int t, k, e, h, inter; bool nvfp4, shared, ordered, out_bf16 = false; };
-  for (const C c : {C{1, 8, 16, 2048, 512, true, true, false}, C{6, 8, 16, 2048, 512, true, true, true},
-                    C{4, 2, 8, 256, 64, false, false, true}, C{3, 10, 12, 512, 128, false, true, false},
-                    C{2, 4, 6, 96, 32, true, false, false}, C{5, 3, 9, 256, 64, true, false, true, true},
-                    C{2, 20, 24, 256, 64, true, true, false}}) {   // k = 20: two 12-slot down groups
+  struct C { int t, k, e, h, inter; bool nvfp4, shared, out_bf16 = false; };
+  for (const C c : {C{1, 8, 16, 2048, 512, true, true}, C{6, 8, 16, 2048, 512, true, true},
+                    C{4, 2, 8, 256, 64, false, false}, C{3, 10, 12, 512, 128, false, true},
+                    C{2, 4, 6, 96, 32, true, false}, C{5, 3, 9, 256, 64, true, false, true},
+                    C{2, 20, 24, 256, 64, true, true},
+                    C{3, 6, 4, 96, 32, true, true}, C{3, 6, 4, 96, 32, false, false},   // k > E: repeated ids
+                    C{40, 4, 4, 384, 160, true, false}, C{40, 4, 4, 128, 64, false, true}}) {   // 40-pair groups: 2 passes
     const Stack g = make_stack(rng, c.e, c.inter, c.h, c.nvfp4), u = make_stack(rng, c.e, c.inter, c.h, c.nvfp4),
                 d = make_stack(rng, c.e, c.h, c.inter, c.nvfp4);
     std::normal_distribution<float> normal;
@@ -299,9 +301,7 @@ int test_moe_experts(std::mt19937& rng) {
       for (int j = 0; j < c.k; ++j) { ids[t * c.k + j] = perm[j % c.e]; w[t * c.k + j] = uni(rng); }
     }
     ids[c.k - 1] = c.e + 3;                                     // out of range: contributes nothing
-    std::vector<int32_t> order(ids.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return ids[a] < ids[b]; });
+    if (c.t > 1) ids[c.k] = -1;
 
     // host reference (reference.moe_experts + the shared epilogue)
     std::vector<float> want(size_t(c.t) * c.h, 0.f);
@@ -339,16 +339,17 @@ int test_moe_experts(std::mt19937& rng) {
 
     const StackDev dg(g), du(u), dd(d);
     Dev<__nv_bfloat16> dx(x), dshared(shared), dsgate(sgate);
-    Dev<int32_t> did(ids), dorder(order);
+    Dev<int32_t> did(ids);
     Dev<float> dw(w);
-    Dev<__nv_bfloat16> act(size_t(c.t) * c.k * c.inter);
+    Dev<uint8_t> workspace(atlas::moe_experts_workspace_bytes(c.t, c.k, c.e, c.h, c.inter));   // 0xFF: NaN act / d
+    EXPECT(workspace.n > 0, "moe_experts_workspace_bytes rejected t=%d k=%d E=%d", c.t, c.k, c.e);
     const bool bf16_out = c.shared || c.out_bf16;
     Dev<float> out_f(bf16_out ? 0 : size_t(c.t) * c.h);
     Dev<__nv_bfloat16> out_b(bf16_out ? size_t(c.t) * c.h : 0);
     atlas::MoeExpertsArgs a{};
-    a.x = dx.p; a.ids = did.p; a.pair_order = c.ordered ? dorder.p : nullptr; a.weights = dw.p;
+    a.x = dx.p; a.ids = did.p; a.weights = dw.p;
     a.gate = dg.view(c.nvfp4); a.up = du.view(c.nvfp4); a.down = dd.view(c.nvfp4); a.nvfp4 = c.nvfp4;
-    a.act = act.p;
+    a.workspace = workspace.p;
     if (c.shared) { a.shared = dshared.p; a.shared_gate = dsgate.p; a.shared_gate_stride = 3; a.out = out_b.p; }
     else if (c.out_bf16) { a.out = out_b.p; a.out_bf16 = true; }
     else { a.out = out_f.p; }
