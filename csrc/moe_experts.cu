@@ -23,22 +23,25 @@
 //      then warp 0 scatters the pairs 32 at a time in pair order (__match_any_sync ranks lanes
 //      with the same expert), so the lists are deterministic. Fixed grid, buffers sized for the
 //      worst case G: no host sync, graph-capturable. Replaces v2's torch argsort "pair sort".
-//   2. gate_up: grid (I / 32, G), 64 threads = 2 warps. CTA (x, s) runs group s (exits at once
-//      when s ≥ num_groups): warp w owns I-rows n0 = 32x + 16w .. +16 of BOTH gate and up (two
-//      16-row A tiles), so silu(g)·u fuses in the epilogue (a lane holds g and u of the same
-//      (row, column)). Columns = the group's pairs, B row = x[p / k]; MT = ceil(T/8) ≤ 4 n8 tiles
+//   2. gate_up: grid (I / 32, G), 128 threads = 4 warps, one 16-row A tile each. CTA (x, s) runs
+//      group s (exits at once when s ≥ num_groups): warps 2j and 2j+1 own the gate and the up
+//      rows n = 32x + 16j .. +16, so silu(g)·u fuses in the epilogue (the up warp hands
+//      bf16(u) to the gate warp through 2 KB of smem). One tile per warp, not (gate, up) per
+//      warp: B = 1 has only 9 × 512 / 16 = 288 gate+up tile pairs, and the dequant-bound
+//      warps need ≥ one per scheduler (528) to keep the H200's issue slots busy.
+//      Columns = the group's pairs, B row = x[p / k]; MT = ceil(T/8) ≤ 4 n8 tiles
 //      (template, picked at launch from T), of which ceil(M/8) are live for a group of M pairs
 //      (warp-uniform branch: a 1-pair group issues 1 mma tile, not MT); a group of M > 8·MT
 //      pairs (T > 32, or repeated ids in a row) loops over 8·MT-column passes, re-streaming the
 //      expert (from L2). Stores act[p, n] = bf16(silu(bf16(g)) · bf16(u)).
-//   3. down: grid (ceil(h / 64), G), 2 warps, each two 16-row tiles of h rows; B row = act[p];
+//   3. down: grid (ceil(h / 64), G), 4 warps, one 16-row tile of h rows each; B row = act[p];
 //      stores d[p, n] = bf16(dot) into a [T·k, h] bf16 scratch.
 //   4. combine: grid (ceil(h / 1024), T), 128 threads × 8 columns: out[t] = Σ_j in slot order
 //      (skipping out-of-range ids) + the shared-expert term, as v2's down epilogue did.
 //
 // Grouped GEMV (2, 3) per CTA and 128-k chunk (K = h for gate_up, I for down):
-//   A tiles: lane (g = lane/4, t = lane%4) holds rows g and g+8 of each of its warp's 2 tiles and
-//     the 32 contiguous k [32t, 32t+32) of each (NVFP4: one 16-byte smem load + 2 scale bytes
+//   A tile: lane (g = lane/4, t = lane%4) holds rows g and g+8 of its warp's tile and the 32
+//     contiguous k [32t, 32t+32) of each (NVFP4: one 16-byte smem load + 2 scale bytes
 //     per row; BF16: one 16-byte load per word). K permutation, dequant (exact e2m1 · scale ·
 //     2^-7 in bf16, the 2^7 and the global scale applied once in f32 on the store) and the
 //     m16n8k16 calls are w4a16_gemv's (csrc/w4a16_gemv.cu header, common/nvfp4_mma.cuh): mma
@@ -48,10 +51,11 @@
 //   pipeline: kStages (NVFP4 6, BF16 4) cp.async stages, one barrier per chunk. A stage holds 64
 //     weight rows × 64 B (NVFP4) | 256 B (BF16), 64 × 8 scale bytes (NVFP4), 8·MT activation
 //     rows × 256 B (16-byte units swizzled by bf16_unit_slot: conflict-free fragment loads).
-//     Copies: 64 threads × 4 (NVFP4) | 16 (BF16) 16-byte weight pieces per chunk through a table
-//     of the CTA's 64 row pointers in smem, 8 scale bytes per thread (K % 128 == 0; else 16-bit
-//     loads, synchronous: only odd test shapes take it), one 16-byte unit per live activation row
-//     per 16 threads. K tails (K % 32 == 0) zero-fill weights and activations.
+//     Copies: 128 threads × 2 (NVFP4) | 8 (BF16) 16-byte weight pieces per chunk (contiguous
+//     per row: conflict-free smem writes) through a table of the CTA's 64 row pointers in smem,
+//     8 scale bytes per thread < 64 (K % 128 == 0; else 16-bit loads, synchronous: only odd test
+//     shapes take it), one 16-byte unit per live activation row per 16 threads. K tails
+//     (K % 32 == 0) zero-fill weights and activations. ptxas: 80–120 registers, no spills.
 //   Activation rows ≥ the pass's M are never written (stale smem): they feed only mma columns
 //     ≥ M, which are never stored (mma columns are independent dot products).
 //   PDL: gate_up waits for the grouping kernel before reading anything. down reads the group
@@ -81,10 +85,11 @@
 //   × 1.77 MB = 15.9 MB → 3.8 µs at 4.2 TB/s; B = 32: ≈ 163 distinct experts × 1.77 MB ≈ 289 MB
 //   → ≈ 69 µs.
 // v3 prediction (graph replay, L2 warm as bench_mtp --parts measures): B = 1 ≈ 9 µs (group ≈ 2,
-//   gate_up ≈ 3.5: 144 CTAs × 5 chunks in flight, 10.6 MB; down ≈ 1: its 5.3 MB prefetched under
-//   gate_up; combine ≈ 1.5; the rest PDL launch gaps); B = 32 ≈ 105 µs (≈ 0.7 of copy bandwidth
-//   on 289 MB: ≈ 420 warp-instructions per chunk and warp of 2304 weight bytes, ≈ 75% of the
-//   H200's issue rate at copy bandwidth, plus the G − num_groups ≈ 95 empty group slots' CTAs).
+//   gate_up ≈ 3.5: 144 CTAs × 4 warps, 5 chunks = 23 KB in flight per CTA, 10.6 MB; down ≈ 1:
+//   its 5.3 MB prefetched under gate_up; combine ≈ 1.5; the rest PDL launch gaps); B = 32 ≈
+//   105 µs (≈ 0.7 of copy bandwidth on 289 MB: ≈ 210 warp-instructions per chunk and warp for
+//   1152 weight bytes (dequant ≈ 150), ≈ 75% of the H200's issue rate at copy bandwidth, plus
+//   the G − num_groups ≈ 95 empty group slots' CTAs).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -226,16 +231,16 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(
 
 // ---- 2, 3. grouped GEMV on tensor cores ------------------------------------------------------
 
-constexpr int kWarps = 2;
+constexpr int kWarps = 4;                                 // one 16-row A tile each
 constexpr int kThreads = 32 * kWarps;
 constexpr int kTileN = 16;                                // rows of one mma A tile
-constexpr int kTilesPerWarp = 2;                          // gate_up: (gate, up) rows n..n+16; down: n..n+32
-constexpr int kCtaRows = kWarps * kTilesPerWarp * kTileN;   // 64 weight rows staged per CTA
+constexpr int kCtaRows = kWarps * kTileN;                 // 64 weight rows staged per CTA
+constexpr int kGateUpRows = kCtaRows / 2;                 // gate_up: 32 I-rows per CTA (gate and up)
 constexpr int kChunkK = 128;                              // K per pipeline stage
 constexpr int kXRowBytes = kChunkK * 2;                   // 256 activation bytes per row per chunk
 constexpr int kXUnits = kXRowBytes / 16;                  // 16 units of 8 bf16
 constexpr int kMaxMT = 4;                                 // n8 tiles: ≤ 32 columns (pairs) per pass
-static_assert(kThreads == kCtaRows, "thread tid owns the scale bytes and row pointer of local row tid");
+static_assert(kThreads >= kCtaRows, "thread tid < 64 owns the scale bytes and row pointer of local row tid");
 
 // (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7): the K permutation of one 16-byte bf16 unit, giving
 // the B fragment (activations) or the A fragment registers (BF16 weights) of mma steps h = 0, 1.
@@ -331,6 +336,7 @@ __global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid
   __shared__ const uint8_t* w_rows[kCtaRows];   // local row lr's first byte in the stack; nullptr: n ≥ N
   __shared__ int32_t col_pair[kCols];           // the pair of mma column c in this pass
   __shared__ int64_t col_src[kCols];            // element offset of column c's B row in p.b
+  __shared__ float up_s[kGateUp ? kWarps / 2 : 1][kTileN][kCols];   // gate_up: bf16(up) handed to the gate warp
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const uint32_t smem_base = smem_u32(smem);
   const int s = blockIdx.y, K = p.k, N = p.n;
@@ -348,13 +354,14 @@ __global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid
   const int e = p.groups.expert[s];
   const int first = p.groups.start[s], count = p.groups.start[s + 1] - first;
 
-  // ---- the CTA's 64 weight rows (thread tid: local row tid) ----
+  // ---- the CTA's 64 weight rows: local row lr = 16·tile + r, tile = the warp that computes it;
+  // gate_up: tile 2j = gate rows n = 32x + 16j + r, tile 2j+1 = up rows (the same n); down:
+  // n = 64x + lr. Thread tid < 64 sets up local row tid.
   const uint8_t* s_row = nullptr;   // [K/16] e4m3: row tid's block scales (NVFP4), nullptr past N
-  {
+  if (tid < kCtaRows) {
     const int lr = tid, tile = lr / kTileN;
-    const int i = kGateUp ? tile % kTilesPerWarp : 0;
-    const int n = kGateUp ? blockIdx.x * (kWarps * kTileN) + (tile / kTilesPerWarp) * kTileN + lr % kTileN
-                          : blockIdx.x * kCtaRows + lr;
+    const int i = kGateUp ? tile % 2 : 0;
+    const int n = kGateUp ? blockIdx.x * kGateUpRows + (tile / 2) * kTileN + lr % kTileN : blockIdx.x * kCtaRows + lr;
     const int64_t row = static_cast<int64_t>(e) * N + n;
     w_rows[lr] = n < N ? static_cast<const uint8_t*>(p.a[i].weight) + row * F::row_bytes(K) : nullptr;
     if constexpr (F::kScaled) s_row = n < N ? p.a[i].block_scale + row * (K / 16) : nullptr;
@@ -366,8 +373,9 @@ __global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid
   // before this one writes them, so down issues its first chunks before griddepcontrol.wait.
   auto issue_weights = [&](int st, int c) {
     const int k_rem = K - c * kChunkK;
+    static_assert(kCtaRows * F::kPieces % kThreads == 0, "whole pieces per thread");
 #pragma unroll
-    for (int j = 0; j < F::kPieces; ++j) {
+    for (int j = 0; j < kCtaRows * F::kPieces / kThreads; ++j) {
       const int q = tid + kThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
       const uint8_t* row = w_rows[lr];
       const bool ok = row != nullptr && u * F::kPieceK < k_rem;
@@ -375,6 +383,7 @@ __global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid
                  ok ? 16 : 0);
     }
     if constexpr (F::kScaled) {
+      if (tid >= kCtaRows) return;
       if (k_vec) {
         cp_async8(smem_base + st + lay.s_off + tid * F::kScaleBytes,
                   s_row != nullptr ? s_row + c * F::kScaleBytes : p.a[0].block_scale, s_row != nullptr ? 8 : 0);
@@ -389,7 +398,7 @@ __global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid
     }
   };
   // Stage st ← chunk c's activations of the pass's `rows` columns: thread tid copies unit
-  // tid % 16 of rows tid / 16, tid / 16 + 4, …
+  // tid % 16 of rows tid / 16, tid / 16 + 8, …
   const int x_u = tid % kXUnits, x_r0 = tid / kXUnits;
   constexpr int kXRowStep = kThreads / kXUnits;
   auto issue_acts = [&](int st, int c, int rows) {
@@ -401,29 +410,24 @@ __global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid
     }
   };
 
-  float acc[kTilesPerWarp][MT][4];
-  // One chunk on the tensor cores: 4 words × 2 mma steps × 2 tiles × the live n8 tiles.
+  float acc[MT][4];
+  const int row0 = warp * kTileN;   // the warp's tile: local rows row0 .. row0 + 15
+  // One chunk on the tensor cores: 4 words × 2 mma steps × the live n8 tiles.
   auto compute_stage = [&](int st, int live_mt) {
     const uint8_t* ws = smem + st + lay.w_off;
     const uint8_t* xs = smem + st + lay.x_off;
-    typename F::Frag f[kTilesPerWarp];
-#pragma unroll
-    for (int i = 0; i < kTilesPerWarp; ++i) f[i] = F::load(ws, smem + st + lay.s_off, (warp * kTilesPerWarp + i) * kTileN, g, t);
+    const typename F::Frag f = F::load(ws, smem + st + lay.s_off, row0, g, t);
 #pragma unroll
     for (int wd = 0; wd < 4; ++wd) {
-      uint32_t ra[kTilesPerWarp][4], rb[kTilesPerWarp][4];
-#pragma unroll
-      for (int i = 0; i < kTilesPerWarp; ++i) F::word(f[i], ws, (warp * kTilesPerWarp + i) * kTileN, g, t, wd, ra[i], rb[i]);
+      uint32_t ra[4], rb[4];
+      F::word(f, ws, row0, g, t, wd, ra, rb);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if (mt >= live_mt) break;   // warp-uniform
         const uint4 xv = permute_unit(
             *reinterpret_cast<const uint4*>(xs + (8 * mt + g) * kXRowBytes + bf16_unit_slot(8 * mt + g, 4 * t + wd) * 16));
-#pragma unroll
-        for (int i = 0; i < kTilesPerWarp; ++i) {
-          mma_bf16_16816(acc[i][mt], ra[i][0], rb[i][0], ra[i][1], rb[i][1], xv.x, xv.y);   // h = 0
-          mma_bf16_16816(acc[i][mt], ra[i][2], rb[i][2], ra[i][3], rb[i][3], xv.z, xv.w);   // h = 1
-        }
+        mma_bf16_16816(acc[mt], ra[0], rb[0], ra[1], rb[1], xv.x, xv.y);   // h = 0
+        mma_bf16_16816(acc[mt], ra[2], rb[2], ra[3], rb[3], xv.z, xv.w);   // h = 1
       }
     }
   };
@@ -437,7 +441,7 @@ __global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid
       col_src[tid] = static_cast<int64_t>(kGateUp ? pair / p.top_k : pair) * K;
     }
     __syncthreads();   // w_rows, col_pair, col_src visible; the previous pass is done with the stages
-    const bool warp_live = w_rows[warp * kTilesPerWarp * kTileN] != nullptr;   // N % 32 == 0: all or none
+    const bool warp_live = w_rows[row0] != nullptr;   // N % 16 == 0: the tile's rows are all in or all out
     // prologue: group 0 = the first kStages − 1 chunks' weights + chunk 0's activations,
     // group q = chunk q's activations
 #pragma unroll
@@ -454,12 +458,9 @@ __global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid
       cp_async_commit();
     }
 #pragma unroll
-    for (int i = 0; i < kTilesPerWarp; ++i) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[i][mt][q] = 0.0f;
-      }
+      for (int q = 0; q < 4; ++q) acc[mt][q] = 0.0f;
     }
     int cur = 0;                                  // stage offset of chunk c
     int fill = (kStages - 1) * lay.bytes;         // stage offset of chunk c − 1 (refilled at c)
@@ -477,12 +478,25 @@ __global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid
     }
 
     // ---- store: y = acc · global_scale · 2^7 (NVFP4) | acc (BF16), rounded once to bf16 ----
-    if (warp_live) {
-      float f0 = 1.0f, f1 = 1.0f;
-      if constexpr (F::kScaled) {
-        f0 = p.a[0].global_scale[e] * kOutBias;
-        f1 = kGateUp ? p.a[1].global_scale[e] * kOutBias : f0;
+    // gate_up: the up warp (odd) hands bf16(up) of its tile to the gate warp (even) of the same
+    // rows through smem; the gate warp stores act = bf16(silu(g) · u).
+    const int stack = kGateUp ? warp % 2 : 0;
+    const float factor = F::kScaled ? p.a[stack].global_scale[e] * kOutBias : 1.0f;
+    if constexpr (kGateUp) {
+      if (stack == 1) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if (mt >= live_mt) break;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            up_s[warp / 2][g + 8 * (q >> 1)][8 * mt + 2 * t + (q & 1)] =
+                __bfloat162float(__float2bfloat16(acc[mt][q] * factor));
+          }
+        }
       }
+      __syncthreads();
+    }
+    if (warp_live && stack == 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if (mt >= live_mt) break;
@@ -491,17 +505,13 @@ __global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid
           const int col = 8 * mt + 2 * t + (q & 1), r = g + 8 * (q >> 1);
           if (col >= rows) continue;
           const int64_t out_row = static_cast<int64_t>(col_pair[col]) * N;
+          const float v = __bfloat162float(__float2bfloat16(acc[mt][q] * factor));
           if constexpr (kGateUp) {
-            const int n = blockIdx.x * (kWarps * kTileN) + warp * kTileN + r;
-            const float gv = __bfloat162float(__float2bfloat16(acc[0][mt][q] * f0));
-            const float uv = __bfloat162float(__float2bfloat16(acc[1][mt][q] * f1));
-            p.out[out_row + n] = __float2bfloat16(gv / (1.0f + expf(-gv)) * uv);
+            const float u = up_s[warp / 2][r][col];
+            p.out[out_row + blockIdx.x * kGateUpRows + (warp / 2) * kTileN + r] =
+                __float2bfloat16(v / (1.0f + expf(-v)) * u);
           } else {
-#pragma unroll
-            for (int i = 0; i < kTilesPerWarp; ++i) {
-              const int n = blockIdx.x * kCtaRows + (warp * kTilesPerWarp + i) * kTileN + r;
-              p.out[out_row + n] = __float2bfloat16(acc[i][mt][q] * f0);
-            }
+            p.out[out_row + blockIdx.x * kCtaRows + warp * kTileN + r] = __float2bfloat16(acc[mt][q] * factor);
           }
         }
       }
@@ -620,7 +630,7 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, const GroupTables& groups, con
   const int mt = static_cast<int>(std::min<int64_t>(kMaxMT, ceil_div<int64_t>(a.num_tokens, 8)));
 
   GroupedGemv gate_up{static_cast<const __nv_bfloat16*>(a.x), {a.gate, a.up}, groups, act, a.inter, a.hidden, a.top_k};
-  const dim3 gate_up_grid(static_cast<unsigned>(a.inter / (kWarps * kTileN)), max_groups);
+  const dim3 gate_up_grid(static_cast<unsigned>(a.inter / kGateUpRows), max_groups);
   ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, true>(mt, gate_up, gate_up_grid, stream)));
   GroupedGemv down{act, {a.down, a.down}, groups, d, a.hidden, a.inter, a.top_k};
   const dim3 down_grid(static_cast<unsigned>(ceil_div(a.hidden, kCtaRows)), max_groups);
