@@ -565,13 +565,13 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(
     }
   }
   const int64_t o = t * hidden + n0;
-  if (shared != nullptr) {
+  if (shared != nullptr) {   // element loads: `shared` may be any contiguous bf16 view (2-byte aligned)
     const float sg = __bfloat162float(shared_gate[t * shared_gate_stride]);
-    const uint4 sv = *reinterpret_cast<const uint4*>(shared + o);
-    const __nv_bfloat16* sh = reinterpret_cast<const __nv_bfloat16*>(&sv);
     __align__(16) __nv_bfloat16 r[kCombineVec];
 #pragma unroll
-    for (int i = 0; i < kCombineVec; ++i) r[i] = __float2bfloat16(acc[i] + __bfloat162float(sh[i]) / (1.0f + expf(-sg)));
+    for (int i = 0; i < kCombineVec; ++i) {
+      r[i] = __float2bfloat16(acc[i] + __bfloat162float(shared[o + i]) / (1.0f + expf(-sg)));
+    }
     *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(out) + o) = *reinterpret_cast<const uint4*>(r);
   } else if (out_bf16) {
     __align__(16) __nv_bfloat16 r[kCombineVec];
@@ -662,8 +662,12 @@ cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
       (a.shared != nullptr && a.shared_gate == nullptr)) {
     return cudaErrorInvalidValue;
   }
+  auto aligned = [](const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
+  // 16-byte cp.async of x / act rows and weight pieces, 8-byte of scale pieces, 16-byte stores of out
+  if (!aligned(a.x, 16) || !aligned(a.out, 16) || !aligned(a.workspace, 256)) return cudaErrorInvalidValue;
   for (const ExpertStack* s : {&a.gate, &a.up, &a.down}) {
-    if (s->weight == nullptr || (a.nvfp4 && (s->block_scale == nullptr || s->global_scale == nullptr))) {
+    if (s->weight == nullptr || !aligned(s->weight, 16) ||
+        (a.nvfp4 && (s->block_scale == nullptr || !aligned(s->block_scale, 8) || s->global_scale == nullptr))) {
       return cudaErrorInvalidValue;
     }
   }

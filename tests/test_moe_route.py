@@ -231,6 +231,18 @@ def test_moe_experts_kernel_token_alone_equals_token_in_shared_batch(fmt, out_dt
 
 
 @pytest.mark.cuda
+def test_moe_experts_kernel_rejects_misaligned_x():
+    g = _gen("experts-misaligned")
+    (gate, up, down), _ = _stacks(g, 4, 32, 64, "bf16")
+    buf = torch.randn(2 * 64 + 1, generator=g).bfloat16().cuda()
+    x = buf[1:].view(2, 64)                                                  # 2-byte offset
+    ids = torch.zeros(2, 1, dtype=torch.int32, device="cuda")
+    w = torch.ones(2, 1, device="cuda")
+    with pytest.raises(ValueError, match="x must start 16-byte aligned"):
+        ops.moe_experts(x, ids, w, gate.cuda(), up.cuda(), down.cuda())
+
+
+@pytest.mark.cuda
 def test_moe_experts_kernel_graph_replay():
     g = _gen("experts-graph")
     (gate, up, down), _ = _stacks(g, 8, 64, 128, "nvfp4")
