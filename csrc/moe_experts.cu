@@ -48,14 +48,16 @@
 //     step (w, h) pairs physical k (8w+2h, 8w+2h+4) and (8w+2h+1, 8w+2h+5) + 32t; the B
 //     fragment is the 16-byte activation unit k 32t+8w .. +8 of row g, permuted by 4 prmt at
 //     read time (BF16 weights get the same permutation).
-//   pipeline: kStages (NVFP4 6, BF16 4) cp.async stages, one barrier per chunk. A stage holds 64
+//   pipeline: kStages (NVFP4 6 at MT = 1, else 4; BF16 4 / 3; smem for at most the K's chunk
+//     count) cp.async stages, one barrier per chunk. A stage holds 64
 //     weight rows × 64 B (NVFP4) | 256 B (BF16), 64 × 8 scale bytes (NVFP4), 8·MT activation
 //     rows × 256 B (16-byte units swizzled by bf16_unit_slot: conflict-free fragment loads).
 //     Copies: 128 threads × 2 (NVFP4) | 8 (BF16) 16-byte weight pieces per chunk (contiguous
 //     per row: conflict-free smem writes) through a table of the CTA's 64 row pointers in smem,
 //     8 scale bytes per thread < 64 (K % 128 == 0; else 16-bit loads, synchronous: only odd test
 //     shapes take it), one 16-byte unit per live activation row per 16 threads. K tails
-//     (K % 32 == 0) zero-fill weights and activations. ptxas: 80–120 registers, no spills.
+//     (K % 32 == 0) zero-fill weights and activations. ptxas: 105–125 registers under
+//     __launch_bounds__(128, 4) (4 CTAs/SM), no spills.
 //   Activation rows ≥ the pass's M are never written (stale smem): they feed only mma columns
 //     ≥ M, which are never stored (mma columns are independent dot products).
 //   PDL: gate_up waits for the grouping kernel before reading anything. down reads the group
@@ -251,7 +253,12 @@ __device__ __forceinline__ uint4 permute_unit(uint4 a) {
 // Weight formats: bytes per row per chunk, copy pieces, and the lane's A fragment of word wd.
 struct Nvfp4Format {
   static constexpr bool kScaled = true;
-  static constexpr int kStages = 6;                  // 5 chunks in flight: 23 KB per CTA at MT = 1
+  // Stages: MT = 1: 6 (5 chunks = 23 KB of weights in flight per CTA; 40 KB smem, 4 CTAs/SM by
+  // registers). MT > 1: 4 — the 8·MT activation rows (8 KB per stage at MT = 4) dominate the
+  // stage, and 6 stages (77 KB) would leave 2 CTAs = 8 warps per SM for the dequant-bound loop;
+  // 4 stages (51 KB) keep 4 CTAs/SM with 3 × 4.6 KB × 4 = 55 KB in flight.
+  static constexpr int kStagesNarrow = 6;
+  static constexpr int kStagesWide = 4;
   static constexpr int kRowBytes = kChunkK / 2;      // 64 packed bytes
   static constexpr int kScaleBytes = kChunkK / 16;   // 8 e4m3 block scales
   static constexpr int kPieces = kRowBytes / 16;     // 16-byte copies per row per chunk
@@ -281,7 +288,8 @@ struct Nvfp4Format {
 
 struct Bf16Format {
   static constexpr bool kScaled = false;
-  static constexpr int kStages = 4;                  // 4× the bytes per chunk of NVFP4
+  static constexpr int kStagesNarrow = 4;            // 4× the bytes per chunk of NVFP4
+  static constexpr int kStagesWide = 3;
   static constexpr int kRowBytes = kChunkK * 2;      // 256
   static constexpr int kScaleBytes = 0;
   static constexpr int kPieces = kRowBytes / 16;     // 16
@@ -307,6 +315,11 @@ struct StageLayout {
   int bytes;
 };
 
+// Pipeline depth; a launch allocates min(stages, chunks of K) of them (the ring only wraps when
+// K has more chunks than stages: down at I = 512 has 4 chunks, so 4 stages of smem).
+template <class F, int MT>
+__host__ __device__ constexpr int stage_count() { return MT == 1 ? F::kStagesNarrow : F::kStagesWide; }
+
 template <class F, int MT>
 __host__ __device__ constexpr StageLayout stage_layout() {
   return StageLayout{0, kCtaRows * F::kRowBytes, kCtaRows * (F::kRowBytes + F::kScaleBytes),
@@ -328,9 +341,9 @@ struct GroupedGemv {
 // act[p, n] = bf16(silu(bf16(gate·x)) · bf16(up·x)). down: rows n = 64x + 32w + 16i + (0..15)
 // (tile i), d[p, n] = bf16(down·act[p]).
 template <class F, bool kGateUp, int MT>
-__global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid_constant__ GroupedGemv p) {
+__global__ void __launch_bounds__(kThreads, 4) moe_grouped_gemv_kernel(const __grid_constant__ GroupedGemv p) {
   constexpr StageLayout lay = stage_layout<F, MT>();
-  constexpr int kStages = F::kStages;
+  constexpr int kStages = stage_count<F, MT>();
   constexpr int kCols = 8 * MT;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ const uint8_t* w_rows[kCtaRows];   // local row lr's first byte in the stack; nullptr: n ≥ N
@@ -345,14 +358,15 @@ __global__ void __launch_bounds__(kThreads) moe_grouped_gemv_kernel(const __grid
     pdl_wait();
     pdl_launch_dependents();
   }
-  // down: the group tables were complete before this grid launched (see the header: PDL)
+  // down: the group tables were complete before this grid launched (see the header: PDL).
+  // Slot s < G always has table entries (garbage past num_groups, unused): one round trip.
   const int num_groups = *p.groups.num_groups;
+  const int e = p.groups.expert[s];
+  const int first = p.groups.start[s], count = p.groups.start[s + 1] - first;
   if (s >= num_groups) {
     if constexpr (!kGateUp) pdl_wait();   // every CTA waits before it exits
     return;
   }
-  const int e = p.groups.expert[s];
-  const int first = p.groups.start[s], count = p.groups.start[s + 1] - first;
 
   // ---- the CTA's 64 weight rows: local row lr = 16·tile + r, tile = the warp that computes it;
   // gate_up: tile 2j = gate rows n = 32x + 16j + r, tile 2j+1 = up rows (the same n); down:
@@ -592,7 +606,7 @@ constexpr int kMaxDevices = 64;   // per-device opt-in bookkeeping
 template <class F, bool kGateUp, int MT>
 cudaError_t launch_grouped_gemv(const GroupedGemv& p, dim3 grid, cudaStream_t stream) {
   auto kernel = moe_grouped_gemv_kernel<F, kGateUp, MT>;
-  constexpr int smem = F::kStages * stage_layout<F, MT>().bytes;
+  constexpr int smem = stage_count<F, MT>() * stage_layout<F, MT>().bytes;   // opt-in: the most a launch uses
   // Opt in above the default 48 KB once per device and instance (later calls, e.g. under graph
   // capture, make no attribute call).
   if constexpr (smem > 48 * 1024) {
@@ -605,7 +619,8 @@ cudaError_t launch_grouped_gemv(const GroupedGemv& p, dim3 grid, cudaStream_t st
       opted_in[dev] = true;
     }
   }
-  return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);
+  const int stages = std::min(stage_count<F, MT>(), ceil_div(p.k, kChunkK));
+  return launch_pdl(kernel, grid, dim3(kThreads), static_cast<size_t>(stages) * stage_layout<F, MT>().bytes, stream, p);
 }
 
 // MT = n8 column tiles = ceil(T / 8) clamped to [1, 4]: a group holds ≤ T pairs when a row's ids
