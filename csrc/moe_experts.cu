@@ -86,8 +86,9 @@
 //   35B-A3B (h 2048, I 512, top-8 of 256 + the shared expert as slot 8), NVFP4: B = 1: 9 experts
 //   × 1.77 MB = 15.9 MB → 3.8 µs at 4.2 TB/s; B = 32: ≈ 163 distinct experts × 1.77 MB ≈ 289 MB
 //   → ≈ 69 µs.
-// v3 prediction (graph replay, L2 warm as bench_mtp --parts measures): B = 1 ≈ 9 µs (group ≈ 2,
-//   gate_up ≈ 3.5: 144 CTAs × 4 warps, 5 chunks = 23 KB in flight per CTA, 10.6 MB; down ≈ 1:
+// v3 prediction (graph replay, L2 warm as bench_mtp --parts measures): B = 1 ≈ 10 µs (group ≈ 2,
+//   gate_up ≈ 3.5–4: 144 CTAs × 4 warps ≈ 1 warp per scheduler, so a warp's own dequant chain
+//   (16 chunks × ≈ 210 instructions) bounds it; 5 chunks = 23 KB in flight per CTA; down ≈ 1.5:
 //   its 5.3 MB prefetched under gate_up; combine ≈ 1.5; the rest PDL launch gaps); B = 32 ≈
 //   105 µs (≈ 0.7 of copy bandwidth on 289 MB: ≈ 210 warp-instructions per chunk and warp for
 //   1152 weight bytes (dequant ≈ 150), ≈ 75% of the H200's issue rate at copy bandwidth, plus
