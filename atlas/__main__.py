@@ -152,6 +152,9 @@ def _checks() -> list[_Check]:
     out.append(_Check("w4a16_gemv_silu", lambda dev: (ops.w4a16_gemv_silu(
         x_rows(4, 256, 38).to(dev), x_rows(4, 256, 39).to(dev), nvfp4(192, 256, 37).to(dev)),),
         _close(1e-2, "bf16 output")))
+    out.append(_Check("w4a16_gemv_gated", lambda dev: (ops.w4a16_gemv_gated(   # gate: G half of [Q | G]
+        x_rows(3, 256, 44).to(dev), x_rows(3, 512, 45).to(dev)[:, 256:], nvfp4(160, 256, 43).to(dev)),),
+        _close(1e-2, "bf16 output")))
 
     def experts(dev, fmt="bf16"):
         e, i, h = 8, 64, 256

@@ -236,13 +236,22 @@ def gemv(x: Tensor, q: NVFP4Weight) -> Tensor:
     return y
 
 
-def gemv_dual(x: Tensor, q1: NVFP4Weight, q2: NVFP4Weight) -> tuple[Tensor, Tensor]:
+def gemv_dual(x: Tensor, q1: NVFP4Weight, q2: NVFP4Weight, *, qg_head_dim: int = 0) -> tuple[Tensor, Tensor]:
     """atlas.ops.w4a16_gemv_dual: two weights (each with its own global scale) read in one launch
-    per 32 rows of x [T, K] → ([T, N1], [T, N2]) bf16."""
+    per 32 rows of x [T, K] → ([T, N1], [T, N2]) bf16; qg_head_dim > 0 stores y1 as
+    [Q all heads | G all heads] (a gated q_proj, see ops.w4a16_gemv_dual)."""
     if x.shape[0] <= GEMV_MAX_ROWS:
-        return ops.w4a16_gemv_dual(x, q1, q2)
-    parts = [ops.w4a16_gemv_dual(x[r0:r1], q1, q2) for r0, r1 in _row_chunks(x.shape[0])]
+        return ops.w4a16_gemv_dual(x, q1, q2, qg_head_dim=qg_head_dim)
+    parts = [ops.w4a16_gemv_dual(x[r0:r1], q1, q2, qg_head_dim=qg_head_dim) for r0, r1 in _row_chunks(x.shape[0])]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def gemv_gated(x: Tensor, gate: Tensor, q: NVFP4Weight) -> Tensor:
+    """atlas.ops.w4a16_gemv_gated: bf16(x · sigmoid(gate)) · Wᵀ for x [T, K] bf16 and gate
+    [T, K] bf16 (rows may be strided) → [T, N] bf16, one launch per 32 rows."""
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return ops.w4a16_gemv_gated(x, gate, q)
+    return torch.cat([ops.w4a16_gemv_gated(x[r0:r1], gate[r0:r1], q) for r0, r1 in _row_chunks(x.shape[0])])
 
 
 def nvfp4_gemm(x: Tensor, q: NVFP4Weight) -> Tensor:

@@ -181,21 +181,27 @@ def w4a16_gemv_qg(x: Tensor, q, num_heads: int, head_dim: int) -> Tensor:
     return reference.qg_deinterleave(y, num_heads, head_dim)
 
 
-def w4a16_gemv_dual(x: Tensor, q1, q2) -> tuple[Tensor, Tensor]:
-    """Two weights sharing one input in one launch (k_proj and v_proj; gate and up): each
-    output is bitwise equal to its own w4a16_gemv(x, q_i).
+def w4a16_gemv_dual(x: Tensor, q1, q2, *, qg_head_dim: int = 0) -> tuple[Tensor, Tensor]:
+    """Two weights sharing one input in one launch (k_proj and v_proj; gate and up; a gated
+    q_proj and [k_proj; v_proj]): each output is bitwise equal to its own w4a16_gemv(x, q_i)
+    (y1 to w4a16_gemv_qg(x, q1, N1 / 2hd, hd) when qg_head_dim = hd > 0).
 
     Args:
         x: [M, K] bf16, 1 ≤ M ≤ 32, K % 16 == 0.
         q1, q2: NVFP4Weight [N1, K] and [N2, K] (N may differ; each has its own global scale).
+        qg_head_dim: 0 (default): y1 = x · W1ᵀ. hd > 0: q1 is a gated q_proj whose rows are per
+            head [q (hd) | gate (hd)] (N1 a multiple of 2·hd), and y1 is de-interleaved on the
+            store to [Q of all heads | G of all heads] as in w4a16_gemv_qg.
     Returns:
         (y1 [M, N1], y2 [M, N2]) bf16.
     Raises:
-        TypeError / ValueError as w4a16_gemv (naming q1 / q2).
+        TypeError / ValueError as w4a16_gemv (naming q1 / q2); ValueError for a qg_head_dim that
+        is negative, not an int, or does not divide N1 into heads of 2·hd rows.
     Example:
         >>> q1, q2 = atlas.quantize_nvfp4(torch.randn(16, 64)), atlas.quantize_nvfp4(torch.randn(32, 64))
         >>> [t.shape[1] for t in w4a16_gemv_dual(torch.randn(2, 64).bfloat16(), q1, q2)]
         [16, 32]
+        >>> y1, _ = w4a16_gemv_dual(torch.randn(2, 64).bfloat16(), q1, q2, qg_head_dim=4)  # 2 heads
     """
     op = "w4a16_gemv_dual"
     n1, k = _check_gemv_weight(op, "q1", q1)
@@ -205,11 +211,18 @@ def w4a16_gemv_dual(x: Tensor, q1, q2) -> tuple[Tensor, Tensor]:
     if q2.device != q1.device:
         raise ValueError(f"{op}: q2 is on {q2.device} but q1 is on {q1.device}")
     _check_gemv_x(op, "x", x, k, q1.device)
+    if isinstance(qg_head_dim, bool) or not isinstance(qg_head_dim, int) or qg_head_dim < 0:
+        raise ValueError(f"{op}: qg_head_dim must be an int ≥ 0, got {qg_head_dim!r}")
+    if qg_head_dim and n1 % (2 * qg_head_dim) != 0:
+        raise ValueError(f"{op}: q1 must have N1 a multiple of 2·qg_head_dim = {2 * qg_head_dim} rows "
+                         f"(per head [q | gate]), got N1 = {n1}")
     if use_kernel(x, q1.packed, q2.packed):
         return torch.ops.atlas.w4a16_gemv_dual(x, q1.packed, q1.block_scale, q1.global_scale,
-                                               q2.packed, q2.block_scale, q2.global_scale)
-    return (reference.w4a16_gemv(x, q1.packed, q1.block_scale, q1.global_scale),
-            reference.w4a16_gemv(x, q2.packed, q2.block_scale, q2.global_scale))
+                                               q2.packed, q2.block_scale, q2.global_scale, qg_head_dim)
+    y1 = reference.w4a16_gemv(x, q1.packed, q1.block_scale, q1.global_scale)
+    if qg_head_dim:
+        y1 = reference.qg_deinterleave(y1, n1 // (2 * qg_head_dim), qg_head_dim)
+    return y1, reference.w4a16_gemv(x, q2.packed, q2.block_scale, q2.global_scale)
 
 
 def w4a16_gemv_silu(gate: Tensor, up: Tensor, q) -> Tensor:
@@ -242,6 +255,43 @@ def w4a16_gemv_silu(gate: Tensor, up: Tensor, q) -> Tensor:
         return torch.ops.atlas.w4a16_gemv_silu(gate, up, q.packed, q.block_scale, q.global_scale)
     return reference.w4a16_gemv(reference.silu_mul(gate, up), q.packed, q.block_scale, q.global_scale)
 
+
+def w4a16_gemv_gated(x: Tensor, gate: Tensor, q) -> Tensor:
+    """o_proj of a gated attention layer with the output gate computed as it is loaded:
+    y = bf16(x · sigmoid(gate)) · Wᵀ, bitwise equal to the unfused composition
+    w4a16_gemv(sigmoid_gate_mul(x, gate), q) (one launch instead of two).
+
+    Rounding: x · (1 / (1 + exp(−gate))) in float32 (the sigmoid_gate_mul kernel's expression:
+    accurate exp, IEEE reciprocal, then the product), rounded once to bf16 before the dot
+    product. On the CPU the reference composition (reference.sigmoid_gate_mul, torch.sigmoid).
+    Args:
+        x: [M, K] bf16, 1 ≤ M ≤ 32, K % 16 == 0: the attention output, heads concatenated
+            (a non-contiguous or misaligned x is copied).
+        gate: [M, K] bf16, the gate half of the q_proj output. Rows may be strided (e.g.
+            y[:, nq·hd:] of a [M, Q | G] buffer: row stride 2K, read in place); a gate whose
+            last dim is not contiguous, whose row stride is not a multiple of 8 elements or
+            whose start is not 16-byte aligned is copied.
+        q: NVFP4Weight [N, K] (o_proj).
+    Returns:
+        [M, N] bf16.
+    Raises:
+        TypeError / ValueError as w4a16_gemv (naming x / gate); ValueError if gate's shape
+        differs from x's.
+    Example:
+        >>> q = atlas.quantize_nvfp4(torch.randn(8, 32))
+        >>> x, g = torch.randn(2, 32).bfloat16(), torch.randn(2, 32).bfloat16()
+        >>> w4a16_gemv_gated(x, g, q).shape
+        torch.Size([2, 8])
+    """
+    op = "w4a16_gemv_gated"
+    n, k = _check_gemv_weight(op, "q", q)
+    m = _check_gemv_x(op, "x", x, k, q.device)
+    _check_gemv_x(op, "gate", gate, k, q.device)
+    if gate.shape[0] != m:
+        raise ValueError(f"{op}: gate must have the shape of x {list(x.shape)}, got {list(gate.shape)}")
+    if use_kernel(x, gate, q.packed):
+        return torch.ops.atlas.w4a16_gemv_gated(x, gate, q.packed, q.block_scale, q.global_scale)
+    return reference.w4a16_gemv(reference.sigmoid_gate_mul(x, gate), q.packed, q.block_scale, q.global_scale)
 
 def _gemv_weight_ready(packed: Tensor) -> Tensor:
     # NVFP4Weight rows start 8-byte aligned (K/2 is a multiple of 8); anything else is copied.
@@ -276,18 +326,18 @@ def _(x, packed, block_scale, global_scale, out):
 
 @torch.library.custom_op("atlas::w4a16_gemv_dual", mutates_args=())
 def _w4a16_gemv_dual_kernel(x: Tensor, packed1: Tensor, block_scale1: Tensor, global_scale1: Tensor,
-                            packed2: Tensor, block_scale2: Tensor,
-                            global_scale2: Tensor) -> tuple[Tensor, Tensor]:
+                            packed2: Tensor, block_scale2: Tensor, global_scale2: Tensor,
+                            qg_head_dim1: int) -> tuple[Tensor, Tensor]:
     m = x.shape[0]
     y1 = torch.empty(m, packed1.shape[0], dtype=torch.bfloat16, device=x.device)
     y2 = torch.empty(m, packed2.shape[0], dtype=torch.bfloat16, device=x.device)
     _C.w4a16_gemv_dual(_gemv_ready(x), _gemv_weight_ready(packed1), block_scale1, global_scale1, y1,
-                       _gemv_weight_ready(packed2), block_scale2, global_scale2, y2)
+                       _gemv_weight_ready(packed2), block_scale2, global_scale2, y2, qg_head_dim1)
     return y1, y2
 
 
 @_w4a16_gemv_dual_kernel.register_fake
-def _(x, packed1, block_scale1, global_scale1, packed2, block_scale2, global_scale2):
+def _(x, packed1, block_scale1, global_scale1, packed2, block_scale2, global_scale2, qg_head_dim1):
     m = x.shape[0]
     return x.new_empty(m, packed1.shape[0]), x.new_empty(m, packed2.shape[0])
 
@@ -304,6 +354,30 @@ def _w4a16_gemv_silu_kernel(gate: Tensor, up: Tensor, packed: Tensor, block_scal
 @_w4a16_gemv_silu_kernel.register_fake
 def _(gate, up, packed, block_scale, global_scale):
     return gate.new_empty(gate.shape[0], packed.shape[0])
+
+
+def _gate_ready(gate: Tensor) -> Tensor:
+    """A gate the kernel reads in place: contiguous rows, row stride ≥ K and a multiple of 8
+    elements (16 bytes), 16-byte aligned start; any other layout is copied."""
+    m, k = gate.shape
+    rows_ok = gate.stride(1) == 1 and (m == 1 or (gate.stride(0) >= k and gate.stride(0) % 8 == 0))
+    if rows_ok and (gate.storage_offset() * gate.element_size()) % 16 == 0:
+        return gate
+    return gate.clone(memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("atlas::w4a16_gemv_gated", mutates_args=())
+def _w4a16_gemv_gated_kernel(x: Tensor, gate: Tensor, packed: Tensor, block_scale: Tensor,
+                             global_scale: Tensor) -> Tensor:
+    out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.bfloat16, device=x.device)
+    _C.w4a16_gemv_gated(_gemv_ready(x), _gate_ready(gate), _gemv_weight_ready(packed), block_scale,
+                        global_scale, out)
+    return out
+
+
+@_w4a16_gemv_gated_kernel.register_fake
+def _(x, gate, packed, block_scale, global_scale):
+    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 

@@ -24,7 +24,9 @@ would. The cached context is random data written straight into the pools (blocks
 cache.plan), not computed by a prefill: only its bytes matter here.
 Breakdown (bench_attention_layer_parts): at B = 1, L = 32K each launch of the graph-replayed step
 timed alone (same rotation), so the step's distance from the floor can be attributed: projections
-(one w4a16_gemv_dual), qk_norm_rope, paged_decode, sigmoid_gate_mul, o_proj.
+(one w4a16_gemv_dual, q|gate de-interleaved on the store), qk_norm_rope, paged_decode, o_proj with
+the sigmoid gate on its load (w4a16_gemv_gated); plus, for comparison, the two launches the gated
+GEMV replaced (sigmoid_gate_mul, plain o_proj GEMV), which are not part of the step.
 Writes bench/results/bench_attention_layer.{md,json} and bench_attention_layer_parts.{md,json}.
 """
 from __future__ import annotations
@@ -142,17 +144,19 @@ def bench_parts(cfg, layers, length: int, kv: str, iters: int) -> list[dict]:
     cache.plan({0: length}, max_blocks_per_seq=width)
     meta = cache.plan({0: 1}, max_blocks_per_seq=width)
     x = torch.randn(1, h, device="cuda").to(torch.bfloat16)
-    y, kvp = ops.w4a16_gemv_dual(x, layers[0].q_proj.weight, layers[0].kv_weight)
-    q, gate = y.view(1, nq, 2 * hd)[..., :hd], y.view(1, nq, 2 * hd)[..., hd:]
+    y, kvp = ops.w4a16_gemv_dual(x, layers[0].q_proj.weight, layers[0].kv_weight, qg_head_dim=hd)
+    q, gate = y[:, :nq * hd].view(1, nq, hd), y[:, nq * hd:]            # [1, Q | G] as in the layer
     k, v = kvp[:, :nkv * hd].view(1, nkv, hd), kvp[:, nkv * hd:].view(1, nkv, hd)
     a = layers[0]
     qn = ops.qk_norm_rope(q, k, v, a.q_norm_weight, a.k_norm_weight, meta.positions, *cache.layer(0)[:2],
                           meta.slot_mapping, *cache.layer(0)[2:], **a.norm_kwargs)
     o = ops.paged_decode(qn, *cache.layer(0)[:2], meta.block_tables, meta.seq_lens, a.softmax_scale,
                          *cache.layer(0)[2:])
-    og = ops.sigmoid_gate_mul(o, gate).view(1, nq * hd)
+    o = o.view(1, nq * hd)
+    og = ops.sigmoid_gate_mul(o.view(1, nq, hd), gate.view(1, nq, hd)).view(1, nq * hd)
     parts = {
-        "projections (dual gemv)": (lambda i: ops.w4a16_gemv_dual(x, layers[i].q_proj.weight, layers[i].kv_weight),
+        "projections (dual gemv)": (lambda i: ops.w4a16_gemv_dual(x, layers[i].q_proj.weight, layers[i].kv_weight,
+                                                                  qg_head_dim=hd),
                                     a.q_proj.nbytes + a.k_proj.nbytes + a.v_proj.nbytes),
         "qk_norm_rope": (lambda i: ops.qk_norm_rope(q, k, v, layers[i].q_norm_weight, layers[i].k_norm_weight,
                                                     meta.positions, *cache.layer(i)[:2], meta.slot_mapping,
@@ -160,8 +164,9 @@ def bench_parts(cfg, layers, length: int, kv: str, iters: int) -> list[dict]:
         "paged_decode": (lambda i: ops.paged_decode(qn, *cache.layer(i)[:2], meta.block_tables, meta.seq_lens,
                                                     a.softmax_scale, *cache.layer(i)[2:]),
                          kv_bytes(cfg, 1, length + 1, kv)),
-        "sigmoid_gate_mul": (lambda i: ops.sigmoid_gate_mul(o, gate), 0),
-        "o_proj (gemv)": (lambda i: ops.w4a16_gemv(og, layers[i].o_proj.weight), a.o_proj.nbytes),
+        "o_proj (gated gemv)": (lambda i: ops.w4a16_gemv_gated(o, gate, layers[i].o_proj.weight), a.o_proj.nbytes),
+        "replaced: sigmoid_gate_mul": (lambda i: ops.sigmoid_gate_mul(o.view(1, nq, hd), gate.view(1, nq, hd)), 0),
+        "replaced: o_proj (plain gemv)": (lambda i: ops.w4a16_gemv(og, layers[i].o_proj.weight), a.o_proj.nbytes),
     }
     rows = []
     for name, (fn, nbytes) in parts.items():

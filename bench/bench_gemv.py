@@ -9,7 +9,8 @@ Shapes (N×K): Qwen3.6-27B q+gate+k+v 14336×5120, o 5120×6144, gate_up 34816×
 Floor = (N·K/2 + N·K/16 weight + scale bytes) / measured copy bandwidth; GB/s counts the same
 bytes. Targets (M = 1): ≥ 3.0× cuBLAS where the BF16 weight is ≥ 4 MB, ≤ 2.5 µs below that,
 ≥ 0.85 of copy bandwidth for weights ≥ 40 MB; M = 8 within 1.25× of M = 1, M = 32 within 2.5×.
-Also times the fused variants (qg, dual, silu) on 27B shapes, and draws
+Also times the fused variants (qg, dual, silu, gated o_proj) on 27B shapes (gated also on
+35B-A3B's o_proj), and draws
 results/gemv_bandwidth.png (achieved GB/s vs weight MB, atlas and cuBLAS, per M).
 """
 from __future__ import annotations
@@ -103,7 +104,8 @@ def bench_shapes(shapes, rows_m, iters):
 
 
 def bench_variants(iters):
-    """Fused variants at M = 1 and 8 on 27B shapes, each next to its unfused composition."""
+    """Fused variants at M = 1 and 8 on 27B shapes (gated o_proj also 35B-A3B's), each next to
+    its unfused composition."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     rows = []
     nq, hd, kv, h, inter = 24, 256, 4 * 256, 5120, 17408
@@ -111,6 +113,18 @@ def bench_variants(iters):
         x = torch.randn(m, h, device="cuda", generator=gen).bfloat16()
         g = torch.randn(m, inter, device="cuda", generator=gen).bfloat16()
         u = torch.randn(m, inter, device="cuda", generator=gen).bfloat16()
+
+        def gated_case(n_out, k_in):
+            """o_proj [n_out, k_in] of bf16(o · sigmoid(G)), G the strided half of a [M, Q | G]
+            q_proj output as in the attention layer; unfused = sigmoid_gate_mul + w4a16_gemv."""
+            o = torch.randn(m, k_in, device="cuda", generator=gen).bfloat16()
+            gate = torch.randn(m, 2 * k_in, device="cuda", generator=gen).bfloat16()[:, k_in:]
+            return (f"gated o_proj {n_out}x{k_in}", nvfp4_bytes(n_out, k_in),
+                    lambda i: random_nvfp4(n_out, k_in, gen),
+                    lambda q: ops.w4a16_gemv_gated(o, gate, q),
+                    lambda q: ops.w4a16_gemv(ops.sigmoid_gate_mul(o.view(m, 1, k_in),
+                                                                  gate.view(m, 1, k_in)).view(m, k_in), q))
+
         cases = [
             ("qg 12288x5120", nvfp4_bytes(2 * nq * hd, h), lambda i: random_nvfp4(2 * nq * hd, h, gen),
              lambda q: ops.w4a16_gemv_qg(x, q, nq, hd), lambda q: ops.w4a16_gemv(x, q)),
@@ -120,6 +134,8 @@ def bench_variants(iters):
             ("silu down 5120x17408", nvfp4_bytes(h, inter), lambda i: random_nvfp4(h, inter, gen),
              lambda q: ops.w4a16_gemv_silu(g, u, q),
              lambda q: ops.w4a16_gemv(atlas.reference.silu_mul(g, u), q)),
+            gated_case(h, nq * hd),            # 27B o_proj 5120x6144
+            gated_case(2048, 16 * 256),        # 35B-A3B o_proj 2048x4096
         ]
         for name, nbytes, make, fused, unfused in cases:
             us, _ = time_rotated(make, fused, nbytes, iters)

@@ -108,7 +108,8 @@ void run_w4a16_gemv(atlas::W4A16GemvArgs& a, const torch::Tensor& x, torch::Tens
   const cudaError_t err = atlas::launch_w4a16_gemv(a, current_stream(x));
   TORCH_CHECK(err == cudaSuccess, "w4a16_gemv (M = ", a.m, ", K = ", a.k, ", N = ", a.w[0].n,
               a.num_weights == 2 ? " and " + std::to_string(a.w[1].n) : std::string(),
-              a.up ? ", silu" : "", "): CUDA error: ", cudaGetErrorString(err));
+              a.act == atlas::GemvAct::kSiluMul ? ", silu" : a.act == atlas::GemvAct::kSigmoidGate ? ", gated" : "",
+              "): CUDA error: ", cudaGetErrorString(err));
 }
 
 // y = x · Wᵀ (or bf16(silu(x) · up) · Wᵀ when up is given); qg_head_dim > 0 de-interleaves q|gate.
@@ -125,24 +126,48 @@ void w4a16_gemv(const torch::Tensor& x,                   // [M, K] bf16 (silu: 
   if (up.has_value()) {
     check_gemv_activation(*up, "up");
     TORCH_CHECK(up->sizes() == x.sizes() && up->device() == x.device(), "w4a16_gemv: up must match gate");
-    a.up = up->data_ptr();
+    a.x2 = up->data_ptr();
+    a.act = atlas::GemvAct::kSiluMul;
   }
   a.w[0] = gemv_weight(packed, block_scale, global_scale, out, n_rows, qg_head_dim, x.size(1), x);
   a.num_weights = 1;
   run_w4a16_gemv(a, x, out);
 }
 
-// (y1, y2) = (x · W1ᵀ, x · W2ᵀ) in one launch.
+// y = bf16(x · sigmoid(gate)) · Wᵀ: the gated attention output times o_proj in one launch.
+void w4a16_gemv_gated(const torch::Tensor& x,             // [M, K] bf16 (attention output)
+                      const torch::Tensor& gate,          // [M, K] bf16, rows strided (stride ≥ K, % 8)
+                      const torch::Tensor& packed,        // [N, K/2] uint8
+                      const torch::Tensor& block_scale,   // [N, K/16] e4m3
+                      const torch::Tensor& global_scale,  // [] f32
+                      torch::Tensor& out) {               // [M, N] bf16|f32 (out)
+  check_gemv_activation(x, "x");
+  CHECK_CUDA_TENSOR(gate);
+  TORCH_CHECK(gate.scalar_type() == torch::kBFloat16 && gate.sizes() == x.sizes() && gate.device() == x.device() &&
+              gate.stride(1) == 1 && (gate.size(0) == 1 || (gate.stride(0) >= x.size(1) && gate.stride(0) % 8 == 0)),
+              "w4a16_gemv_gated: gate must be bf16 [M, K] like x, rows contiguous, row stride >= K and % 8 == 0");
+  atlas::W4A16GemvArgs a{};
+  a.x = x.data_ptr();
+  a.x2 = gate.data_ptr();
+  a.x2_stride = gate.size(0) == 1 ? 0 : gate.stride(0);
+  a.act = atlas::GemvAct::kSigmoidGate;
+  a.w[0] = gemv_weight(packed, block_scale, global_scale, out, packed.size(0), 0, x.size(1), x);
+  a.num_weights = 1;
+  run_w4a16_gemv(a, x, out);
+}
+
+// (y1, y2) = (x · W1ᵀ, x · W2ᵀ) in one launch; qg_head_dim1 > 0 de-interleaves y1's q|gate.
 void w4a16_gemv_dual(const torch::Tensor& x,                                          // [M, K] bf16
                      const torch::Tensor& packed1, const torch::Tensor& block_scale1,  // [N1, K/2], [N1, K/16]
                      const torch::Tensor& global_scale1, torch::Tensor& out1,          // [], [M, N1] bf16 (out)
                      const torch::Tensor& packed2, const torch::Tensor& block_scale2,  // [N2, K/2], [N2, K/16]
-                     const torch::Tensor& global_scale2, torch::Tensor& out2) {        // [], [M, N2] bf16 (out)
+                     const torch::Tensor& global_scale2, torch::Tensor& out2,          // [], [M, N2] bf16 (out)
+                     int64_t qg_head_dim1) {                                           // 0 | hd of q1's heads
   check_gemv_activation(x, "x");
   TORCH_CHECK(out1.scalar_type() == out2.scalar_type(), "w4a16_gemv_dual: outputs must share a dtype");
   atlas::W4A16GemvArgs a{};
   a.x = x.data_ptr();
-  a.w[0] = gemv_weight(packed1, block_scale1, global_scale1, out1, packed1.size(0), 0, x.size(1), x);
+  a.w[0] = gemv_weight(packed1, block_scale1, global_scale1, out1, packed1.size(0), qg_head_dim1, x.size(1), x);
   a.w[1] = gemv_weight(packed2, block_scale2, global_scale2, out2, packed2.size(0), 0, x.size(1), x);
   a.num_weights = 2;
   run_w4a16_gemv(a, x, out1);
@@ -575,7 +600,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_nvfp4", &quantize_nvfp4, "BF16/F16/F32 [N,K] -> NVFP4 packed, block scales, global scale");
   m.def("w4a16_gemv", &w4a16_gemv,
         "x [M<=32,K] bf16 (or bf16(silu(gate)*up)) . NVFP4 W[:n_rows]^T -> out [M,n_rows] bf16|f32; q|gate de-interleave");
-  m.def("w4a16_gemv_dual", &w4a16_gemv_dual, "x [M<=32,K] bf16 . (W1, W2)^T -> out1 [M,N1], out2 [M,N2] in one launch");
+  m.def("w4a16_gemv_dual", &w4a16_gemv_dual,
+        "x [M<=32,K] bf16 . (W1, W2)^T -> out1 [M,N1], out2 [M,N2] in one launch; q|gate de-interleave of out1");
+  m.def("w4a16_gemv_gated", &w4a16_gemv_gated,
+        "bf16(x * sigmoid(gate)) [M<=32,K] (gate rows strided) . NVFP4 W^T -> out [M,N] bf16|f32");
   // ---- w4a16_gemv (owned by the GEMV work; insert defs above this line) ----
   m.def("reshape_and_cache", &reshape_and_cache,
         "K/V rows [T,nkv,hd] bf16 -> paged cache slots (bf16 copy | e4m3 + per-row f32 scale), in place");

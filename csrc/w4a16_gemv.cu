@@ -1,5 +1,7 @@
-// w4a16_gemv: y[m, n] = Σ_k x[m, k] · W[n, k],  W = e2m1 · e4m3 block scale (16 along K) · global
-// scale (NVFP4, checkpoint layout), x bf16 [M ≤ 32, K], f32 accumulation, y bf16 | f32.
+// w4a16_gemv: y[m, n] = Σ_k a[m, k] · W[n, k],  W = e2m1 · e4m3 block scale (16 along K) · global
+// scale (NVFP4, checkpoint layout), a bf16 [M ≤ 32, K], f32 accumulation, y bf16 | f32.
+// a = x (plain), bf16(silu(x) · x2) (silu) or bf16(x · sigmoid(x2)) (gated attention output),
+// the last two computed from the raw operands as they land in shared memory (GemvAct).
 //
 // Decomposition (one tensor-core kernel for every M; swap-AB: Y^T = W · X^T)
 //   mma.sync.m16n8k16 bf16 → f32 with the WEIGHT as the A operand (16 rows n × 16 k) and the
@@ -35,8 +37,9 @@
 //         per 128-k chunk. A stage holds W·16 rows × 64 B of packed weight, W·16 × 8 scale
 //         bytes and MT·8 rows × 256 B of activations (16-byte units XOR-swizzled so the B
 //         fragment loads are bank-conflict free). Activations are converted one stage ahead
-//         (plain: the B-fragment permutation, in place; silu: raw gate/up → f32 silu·up, RNE to
-//         bf16, permuted). Each thread's copy plan (2 weight pieces, 1 scale piece, its
+//         (plain: the B-fragment permutation, in place; silu / gated: the raw x and x2 rows,
+//         2 × MT·8 × 256 B more per stage, → f32 silu(x)·x2 or x·sigmoid(x2), RNE to bf16,
+//         permuted). Each thread's copy plan (2 weight pieces, 1 scale piece, its
 //         activation units) is fixed per CTA and advanced by a constant per chunk.
 //   launch: programmatic dependent launch. The prologue's weight and scale loads are issued
 //         before griddepcontrol.wait (weights are constants: no kernel before this one writes
@@ -98,19 +101,19 @@ struct StageLayout {
   int w_off;   // [16W rows][64 B]   packed weight
   int s_off;   // [16W rows][8 B]    e4m3 block scales
   int x_off;   // [8MT rows][256 B]  bf16 activations, swizzled units
-  int g_off;   // [8MT rows][256 B]  silu: raw gate (linear)
-  int u_off;   // [8MT rows][256 B]  silu: raw up (linear)
+  int a_off;   // [8MT rows][256 B]  silu / gated: raw x (linear)
+  int b_off;   // [8MT rows][256 B]  silu / gated: raw x2 (linear)
   int bytes;
 };
 
-__host__ __device__ inline StageLayout stage_layout(int warps, int mt, bool silu) {
+__host__ __device__ inline StageLayout stage_layout(int warps, int mt, bool raw_operands) {
   StageLayout l;
   l.w_off = 0;
   l.s_off = warps * kTileN * kRowBytes;
   l.x_off = l.s_off + warps * kTileN * kScaleBytes;
-  l.g_off = l.x_off + mt * 8 * kXRowBytes;
-  l.u_off = l.g_off + (silu ? mt * 8 * kXRowBytes : 0);
-  l.bytes = l.u_off + (silu ? mt * 8 * kXRowBytes : 0);
+  l.a_off = l.x_off + mt * 8 * kXRowBytes;
+  l.b_off = l.a_off + (raw_operands ? mt * 8 * kXRowBytes : 0);
+  l.bytes = l.b_off + (raw_operands ? mt * 8 * kXRowBytes : 0);
   return l;
 }
 
@@ -134,9 +137,15 @@ __host__ __device__ inline int x_slot(int r, int u) {
   return 4 * t + (((w + 2 * (t >> 1)) & 3) ^ (r & 1));
 }
 
-// silu(g) · u in f32, rounded once to bf16 (the documented rounding of w4a16_gemv_silu).
-__device__ __forceinline__ float silu_mul_f32(float g, float u) {
-  return g / (1.0f + expf(-g)) * u;
+// The fused activation of one element in f32 (rounded once to bf16 by the caller), written
+// exactly as the unfused kernels write it so the composition is bitwise the same:
+// silu(x)·x2 as reference.silu_mul (w4a16_gemv_silu), x·sigmoid(x2) as csrc/sigmoid_gate.cu
+// (the reciprocal first, then the product: not x / (1 + e), which rounds differently).
+template <GemvAct kAct>
+__device__ __forceinline__ float activation_f32(float x, float x2) {
+  static_assert(kAct != GemvAct::kPlain, "plain activations are not converted");
+  if constexpr (kAct == GemvAct::kSiluMul) return x / (1.0f + expf(-x)) * x2;
+  else return x * (1.0f / (1.0f + expf(-x2)));
 }
 
 // Output column of weight row n: identity, or the q/gate de-interleave of w4a16_gemv_qg.
@@ -155,7 +164,7 @@ __device__ __forceinline__ void store_out(const W4A16GemvWeight& w, DType dt, in
 // ---- the kernel --------------------------------------------------------------------------
 // MT: n8 tiles of x rows (M ≤ 8·MT). kVec: K % 128 == 0 and 16-byte rows (16-byte weight
 // copies, 8-byte scale copies, no K tail); else 8-byte weight copies and byte scale loads.
-// kSilu: the activation is bf16(silu(x) · up).
+// kAct: the activation (plain x, or bf16(silu(x) · x2) / bf16(x · sigmoid(x2)) from raw rows).
 //
 // v2 (instruction diet; v1's per-segment math, sums in segment order): v1 spent ≈ 420 warp-instructions per
 // 128-k chunk and warp (≈ 12 per weight byte, above the ≈ 8 the H200 can issue at copy
@@ -164,11 +173,12 @@ __device__ __forceinline__ void store_out(const W4A16GemvWeight& w, DType dt, in
 // swizzles recomputed every chunk). v2 fixes every thread's copy plan once per CTA (two
 // 16-byte weight pieces, one 8-byte scale piece, pointers advanced by a constant per chunk),
 // keeps the lane's fragment offsets in registers, and walks the stage ring by byte offset.
-template <int MT, bool kVec, bool kSilu>
+template <int MT, bool kVec, GemvAct kAct>
 __global__ void __launch_bounds__(kMaxWarps * 32)
 w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
                   int groups0,            // row groups of weight 0 (the rest belong to weight 1)
                   SplitPlan plan) {       // segments of K over the CTAs (blockIdx.x)
+  constexpr bool kRaw = kAct != GemvAct::kPlain;        // x and x2 staged raw, then combined
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = threadIdx.x, nthreads = blockDim.x;
   const int warps = nthreads / 32, warp = tid / 32, lane = tid % 32;
@@ -184,10 +194,10 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int chunks_per_cta = plan.seg_chunks * plan.segs_per_cta;
   const int c_begin = min(split * chunks_per_cta, num_chunks);
   const int c_end = min(c_begin + chunks_per_cta, num_chunks);
-  const StageLayout lay = stage_layout(warps, MT, kSilu);
+  const StageLayout lay = stage_layout(warps, MT, kRaw);
   const int ring_bytes = kStages * lay.bytes;           // the stage ring, walked by byte offset
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(args.x);    // [M, K]
-  const __nv_bfloat16* up = static_cast<const __nv_bfloat16*>(args.up);  // [M, K] (silu)
+  const __nv_bfloat16* x2 = static_cast<const __nv_bfloat16*>(args.x2);  // [M, K] rows x2_stride apart (kRaw)
   const uint32_t smem_base = smem_u32(smem);
 
   // ---- copy plan (vector path), fixed for the CTA: the 16W rows × 4 16-byte pieces of a
@@ -246,55 +256,60 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
 
-  // Stage at `st_off` ← chunk c's activations (raw gate/up for silu): the previous kernel's
-  // output, M rows × 16 units of 8 bf16 per chunk. Thread tid copies unit x_u = tid % 16 of
-  // rows x_r0 = tid / 16, x_r0 + nthreads/16, … (M = 1: threads 0..15, one copy each); the row
-  // step is even, so every row of the thread has x_r0's swizzle parity and the destinations
-  // differ by a constant.
+  // Stage at `st_off` ← chunk c's activations (raw x and x2 for silu / gated): the previous
+  // kernel's output, M rows × 16 units of 8 bf16 per chunk. Thread tid copies unit
+  // x_u = tid % 16 of rows x_r0 = tid / 16, x_r0 + nthreads/16, … (M = 1: threads 0..15, one
+  // copy each); the row step is even, so every row of the thread has x_r0's swizzle parity and
+  // the destinations differ by a constant. x2 rows are x2_stride apart (a strided gate view).
   static_assert(kXUnits == 16, "tid >> 4 is tid / kXUnits");
   const int x_u = tid & (kXUnits - 1), x_r0 = tid >> 4, x_rstep = nthreads >> 4;
-  const int x_dst0 = kSilu ? lay.g_off + x_r0 * kXRowBytes + x_u * 16
-                           : lay.x_off + x_r0 * kXRowBytes + x_slot(x_r0, x_u) * 16;
+  const int x_dst0 = kRaw ? lay.a_off + x_r0 * kXRowBytes + x_u * 16
+                          : lay.x_off + x_r0 * kXRowBytes + x_slot(x_r0, x_u) * 16;
   const int64_t x_src_step = static_cast<int64_t>(x_rstep) * K;                 // elements
   const int64_t x_src0 = static_cast<int64_t>(x_r0) * K + 8 * x_u;             // chunk 0, row x_r0
   auto issue_acts = [&](int st_off, int c) {
     if (x_r0 >= M) return;                       // no activation unit for this thread
     const bool ok = kVec || c * kChunkK + 8 * x_u < K;
-    const int64_t src0 = ok ? x_src0 + c * kChunkK : 0;
-    const __nv_bfloat16* xs = x + src0;
-    const __nv_bfloat16* us = kSilu ? up + src0 : nullptr;
+    const __nv_bfloat16* xs = x + (ok ? x_src0 + c * kChunkK : 0);
     uint32_t dst = smem_base + st_off + x_dst0;
-    for (int r = x_r0; r < M; r += x_rstep) {
-      if constexpr (kSilu) {
+    if constexpr (kRaw) {
+      const int64_t x2_step = x_rstep * args.x2_stride;
+      const __nv_bfloat16* x2s = x2 + (ok ? x_r0 * args.x2_stride + 8 * x_u + c * kChunkK : 0);
+      for (int r = x_r0; r < M; r += x_rstep) {
         cp_async16(dst, xs, ok ? 16 : 0);
-        cp_async16(dst + (lay.u_off - lay.g_off), us, ok ? 16 : 0);
-        us += ok ? x_src_step : 0;
-      } else {
-        cp_async16(dst, xs, ok ? 16 : 0);
+        cp_async16(dst + (lay.b_off - lay.a_off), x2s, ok ? 16 : 0);
+        xs += ok ? x_src_step : 0;
+        x2s += ok ? x2_step : 0;
+        dst += x_rstep * kXRowBytes;
       }
-      xs += ok ? x_src_step : 0;
-      dst += x_rstep * kXRowBytes;
+    } else {
+      for (int r = x_r0; r < M; r += x_rstep) {
+        cp_async16(dst, xs, ok ? 16 : 0);
+        xs += ok ? x_src_step : 0;
+        dst += x_rstep * kXRowBytes;
+      }
     }
   };
 
   // The stage's activations (landed: every thread waited for its copies before the barrier
   // that precedes this call) → B-fragment order, one stage ahead of the compute. Plain: each
   // 16-byte unit (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7) in place (the prmt pairs of the K
-  // permutation, once per CTA instead of once per warp and tile). silu: each output word
-  // (x_j, x_{j+4}) = bf16(silu(g)·u) of its two elements, from the raw gate/up, into the
-  // swizzled unit. Items go lane-major over the warps (item i → warp i % W), so the silu math
-  // (≈ 25 instructions per element) is spread over every warp instead of stalling warp 0,
-  // which every other warp then waits for at the next barrier (v1: silu down 1.46× plain).
+  // permutation, once per CTA instead of once per warp and tile). silu / gated: each output
+  // word (a_j, a_{j+4}) = bf16(activation(x, x2)) of its two elements, from the raw rows, into
+  // the swizzled unit. Items go lane-major over the warps (item i → warp i % W), so the math
+  // (≈ 25 instructions per element: expf and an IEEE division) is spread over every warp
+  // instead of stalling warp 0, which every other warp then waits for at the next barrier
+  // (v1: silu down 1.46× plain).
   const int cv_first = (tid & 31) * warps + (tid >> 5);   // this thread's first item
   auto convert_stage = [&](int st_off) {
     uint8_t* st = smem + st_off;
-    if constexpr (kSilu) {
+    if constexpr (kRaw) {
       for (int i = cv_first; i < M * kXUnits * 4; i += nthreads) {
         const int r = i >> 6, u = (i >> 2) & (kXUnits - 1), j = i & 3;
-        const __nv_bfloat16* gp = reinterpret_cast<const __nv_bfloat16*>(st + lay.g_off + r * kXRowBytes + u * 16);
-        const __nv_bfloat16* upp = reinterpret_cast<const __nv_bfloat16*>(st + lay.u_off + r * kXRowBytes + u * 16);
-        const float lo = silu_mul_f32(__bfloat162float(gp[j]), __bfloat162float(upp[j]));
-        const float hi = silu_mul_f32(__bfloat162float(gp[j + 4]), __bfloat162float(upp[j + 4]));
+        const __nv_bfloat16* ap = reinterpret_cast<const __nv_bfloat16*>(st + lay.a_off + r * kXRowBytes + u * 16);
+        const __nv_bfloat16* bp = reinterpret_cast<const __nv_bfloat16*>(st + lay.b_off + r * kXRowBytes + u * 16);
+        const float lo = activation_f32<kAct>(__bfloat162float(ap[j]), __bfloat162float(bp[j]));
+        const float hi = activation_f32<kAct>(__bfloat162float(ap[j + 4]), __bfloat162float(bp[j + 4]));
         *reinterpret_cast<__nv_bfloat162*>(st + lay.x_off + r * kXRowBytes + x_slot(r, u) * 16 + 4 * j) =
             __floats2bfloat162_rn(lo, hi);
       }
@@ -374,7 +389,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   for (int p = 0; p < kStages - 1; ++p) {
     if (c_begin + p < c_end) issue_weights(p * lay.bytes, c_begin + p);
   }
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x / gate / up and out are now safe
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x / x2 and out are now safe
 #pragma unroll
   for (int p = 0; p < kStages - 1; ++p) {
     if (c_begin + p < c_end) issue_acts(p * lay.bytes, c_begin + p);
@@ -474,11 +489,11 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   cluster.sync();  // keep this CTA's partials alive until every rank has read them
 }
 
-template <int MT, bool kVec, bool kSilu>
+template <int MT, bool kVec, GemvAct kAct>
 cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0,
                             SplitPlan plan, cudaStream_t stream) {
-  auto kernel = w4a16_gemv_kernel<MT, kVec, kSilu>;
-  const StageLayout lay = stage_layout(warps, MT, kSilu);
+  auto kernel = w4a16_gemv_kernel<MT, kVec, kAct>;
+  const StageLayout lay = stage_layout(warps, MT, kAct != GemvAct::kPlain);
   const int part_bytes = (grid.x > 1 ? plan.segs_per_cta : 0) * warps * kTileN * MT * 8 *
                          static_cast<int>(sizeof(float));
   const int smem = std::max(kStages * lay.bytes, part_bytes);
@@ -520,16 +535,21 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
   return last_launch_error();
 }
 
+template <int MT, GemvAct kAct>
+cudaError_t launch_act(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, int groups0,
+                       SplitPlan plan, cudaStream_t stream) {
+  return vec ? launch_instance<MT, true, kAct>(a, grid, warps, groups0, plan, stream)
+             : launch_instance<MT, false, kAct>(a, grid, warps, groups0, plan, stream);
+}
+
 template <int MT>
 cudaError_t launch_mt(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, int groups0,
                       SplitPlan plan, cudaStream_t stream) {
-  const bool silu = a.up != nullptr;
-  if (vec) {
-    return silu ? launch_instance<MT, true, true>(a, grid, warps, groups0, plan, stream)
-                : launch_instance<MT, true, false>(a, grid, warps, groups0, plan, stream);
+  switch (a.act) {
+    case GemvAct::kSiluMul: return launch_act<MT, GemvAct::kSiluMul>(a, vec, grid, warps, groups0, plan, stream);
+    case GemvAct::kSigmoidGate: return launch_act<MT, GemvAct::kSigmoidGate>(a, vec, grid, warps, groups0, plan, stream);
+    default: return launch_act<MT, GemvAct::kPlain>(a, vec, grid, warps, groups0, plan, stream);
   }
-  return silu ? launch_instance<MT, false, true>(a, grid, warps, groups0, plan, stream)
-              : launch_instance<MT, false, false>(a, grid, warps, groups0, plan, stream);
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -553,9 +573,13 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   if (a.m < 1 || a.m > kW4A16GemvMaxRows || a.k < 16 || a.k % 16 != 0) return cudaErrorInvalidValue;
   if (a.num_weights != 1 && a.num_weights != 2) return cudaErrorInvalidValue;
   if (a.out_dtype != DType::kBF16 && a.out_dtype != DType::kF32) return cudaErrorInvalidValue;
-  if (a.x == nullptr || !aligned(a.x, 16) || (a.up != nullptr && !aligned(a.up, 16))) {
-    return a.x == nullptr ? cudaErrorInvalidValue : cudaErrorMisalignedAddress;
+  const bool raw = a.act != GemvAct::kPlain;
+  if (a.act != GemvAct::kPlain && a.act != GemvAct::kSiluMul && a.act != GemvAct::kSigmoidGate) {
+    return cudaErrorInvalidValue;
   }
+  if (a.x == nullptr || raw != (a.x2 != nullptr)) return cudaErrorInvalidValue;
+  if (raw && a.x2_stride != 0 && (a.x2_stride < a.k || a.x2_stride % 8 != 0)) return cudaErrorInvalidValue;
+  if (!aligned(a.x, 16) || (raw && !aligned(a.x2, 16))) return cudaErrorMisalignedAddress;
   bool vec = a.k % kChunkK == 0;
   for (int i = 0; i < a.num_weights; ++i) {
     const W4A16GemvWeight& w = a.w[i];
@@ -607,11 +631,13 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   if (groups > 65535) return cudaErrorInvalidValue;
   const dim3 grid(splits, groups);
 
+  W4A16GemvArgs args = a;
+  if (raw && args.x2_stride == 0) args.x2_stride = a.k;   // contiguous rows
   switch (ceil_div(a.m, 8)) {
-    case 1: return launch_mt<1>(a, vec, grid, warps, groups0, plan, stream);
-    case 2: return launch_mt<2>(a, vec, grid, warps, groups0, plan, stream);
-    case 3: return launch_mt<3>(a, vec, grid, warps, groups0, plan, stream);
-    default: return launch_mt<4>(a, vec, grid, warps, groups0, plan, stream);
+    case 1: return launch_mt<1>(args, vec, grid, warps, groups0, plan, stream);
+    case 2: return launch_mt<2>(args, vec, grid, warps, groups0, plan, stream);
+    case 3: return launch_mt<3>(args, vec, grid, warps, groups0, plan, stream);
+    default: return launch_mt<4>(args, vec, grid, warps, groups0, plan, stream);
   }
 }
 

@@ -1,5 +1,6 @@
 // w4a16_gemv: NVFP4 weight × BF16 activation, M = 1..32 rows, plus the fused variants
-// (qg de-interleave on the store, dual = two weights in one launch, silu(gate)·up on the load).
+// (qg de-interleave on the store, dual = two weights in one launch, silu(gate)·up or
+// x·sigmoid(gate) computed on the load).
 // Launcher only; no torch. See csrc/w4a16_gemv.cu for the decomposition.
 #pragma once
 #include <cuda_runtime.h>
@@ -23,11 +24,25 @@ struct W4A16GemvWeight {
                                          // h·hd + i (i < hd) or n/2 + h·hd + i − hd (gate)
 };
 
+// The activation the weight multiplies, computed from the raw operands x and x2 as they are
+// loaded: f32 math, one rounding to bf16 (the same expression as the unfused kernels, so the
+// fused GEMV is bitwise the unfused composition).
+enum class GemvAct : int {
+  kPlain = 0,        // x (x2 unused, must be nullptr)
+  kSiluMul = 1,      // bf16(silu(x) · x2), silu(g) = g / (1 + expf(−g)) (IEEE division):
+                     // w4a16_gemv_silu, x = gate, x2 = up (reference.silu_mul)
+  kSigmoidGate = 2,  // bf16(x · (1 / (1 + expf(−x2)))): w4a16_gemv_gated, x = the attention
+                     // output, x2 = the gate (csrc/sigmoid_gate.cu's expression)
+};
+
 struct W4A16GemvArgs {
-  const void* x = nullptr;    // [M, K] bf16, contiguous, 16-byte aligned: the activation,
-                              // or silu's gate when `up` is set
-  const void* up = nullptr;   // [M, K] bf16 or nullptr: activation = bf16(silu(x) · up), silu and
-                              // product in f32 (silu(g) = g / (1 + expf(−g)), IEEE division)
+  const void* x = nullptr;    // [M, K] bf16, contiguous, 16-byte aligned: the activation, silu's
+                              // gate or the gated attention output (act)
+  const void* x2 = nullptr;   // [M, K] bf16, rows x2_stride apart, 16-byte aligned: silu's up or
+                              // the sigmoid gate; nullptr for kPlain
+  int64_t x2_stride = 0;      // elements between x2 rows: 0 (means K) or ≥ K, a multiple of 8
+                              // (the gate half of a [M, Q | G] q_proj output: 2K)
+  GemvAct act = GemvAct::kPlain;
   W4A16GemvWeight w[2];       // w[1] used only when num_weights == 2 (dual)
   int num_weights = 1;        // 1 | 2; both weights share x, K and the split of K
   int m = 0;                  // rows of x, 1..32
@@ -42,8 +57,9 @@ struct W4A16GemvArgs {
 int w4a16_gemv_k_splits(int k);
 
 // One launch on `stream` (a thread-block cluster when K is split). Never syncs; capturable.
-// Errors: cudaErrorInvalidValue for bad sizes/pointers, cudaErrorMisalignedAddress for
-// x/up not 16-byte or packed not 8-byte aligned, else the launch error.
+// Errors: cudaErrorInvalidValue for bad sizes/pointers/strides (x2 given iff act != kPlain),
+// cudaErrorMisalignedAddress for x/x2 not 16-byte or packed not 8-byte aligned, else the
+// launch error.
 cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& args, cudaStream_t stream);
 
 }  // namespace atlas

@@ -198,6 +198,45 @@ def test_cuda_matches_hf(model, schedule, dialect, kv_dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("model", ["35b_a3b", "27b"])
+@pytest.mark.parametrize("schedule", [[{"a": 10}, {"a": 1}], [{"a": 5, "b": 3}, {"a": 4, "b": 4}],
+                                      [{"a": 70}, {"a": 1, "b": 40}]])      # 70, 41 rows: 32-row GEMV chunks
+def test_cuda_gated_o_proj_bitwise_vs_unfused(monkeypatch, model, schedule):
+    """GEMV steps of a gated layer apply the output gate on o_proj's load (w4a16_gemv_gated on the
+    G half of the de-interleaved q_proj output): bitwise the unfused sigmoid_gate_mul +
+    w4a16_gemv, decode, verify and ≤ 128-row prefill steps; and within the bound of HF."""
+    from atlas import linear, ops
+    cfg = real_config(model)
+    g = _gen("gated_bitwise", model, repr(schedule))
+    attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, "bf16", "l.", g, "cuda"), "l.",
+                                               "nvfp4", "cuda")
+    assert attn.gated and attn.kv_fused
+    calls = {"gated": 0}
+    real_gated = ops.w4a16_gemv_gated
+
+    def counted(x, gate, q):
+        calls["gated"] += 1
+        return real_gated(x, gate, q)
+
+    def unfused(x, gate, q):
+        m, k = x.shape
+        return ops.w4a16_gemv(ops.sigmoid_gate_mul(x.view(m, 1, k), gate.view(m, 1, k)).view(m, k), q)
+
+    monkeypatch.setattr(ops, "w4a16_gemv_gated", counted)
+    hidden, got = run_schedule(attn, cfg, schedule, kv_dtype=torch.bfloat16, device="cuda", block_size=16,
+                               g=_gen("gated_bitwise_x", model, repr(schedule)))
+    assert calls["gated"] == sum(-(-sum(step.values()) // linear.GEMV_MAX_ROWS) for step in schedule)
+    monkeypatch.setattr(ops, "w4a16_gemv_gated", unfused)
+    _, want = run_schedule(attn, cfg, schedule, kv_dtype=torch.bfloat16, device="cuda", block_size=16,
+                           g=_gen("gated_bitwise_x", model, repr(schedule)))
+    for s in hidden:
+        assert torch.equal(got[s], want[s]), s
+    ref = hf_outputs(cfg, attn, hidden, "cuda")
+    for s in hidden:
+        assert rel_err(got[s], ref[s]) < BOUND[torch.bfloat16], s
+
+
+@pytest.mark.cuda
 def test_cuda_long_prefill_then_decode():
     """A 1000-token prompt in uneven chunks (GEMM path, many pseudo-sequences), then decode."""
     cfg = real_config("35b_a3b")
@@ -234,31 +273,48 @@ def test_cuda_graph_decode_equals_eager(query_len, kv_dtype):
     assert torch.equal(k0.view(torch.uint8), k1.view(torch.uint8)) and torch.equal(v0.view(torch.uint8), v1.view(torch.uint8))
 
 
-@pytest.mark.parametrize("dialect,launches", [("bf16", {"dual": 1, "gemv": 1}),             # q+kv, o
-                                              ("modelopt_nvfp4", {"dual": 1, "gemv": 2})])  # q+k, v, o
-def test_decode_projection_launches(monkeypatch, dialect, launches):
+@pytest.mark.parametrize("model,dialect,launches", [
+    ("qwen3_next", "bf16", {"dual": 1, "gemv": 0, "gated": 1}),            # q|g+kv, gate·o_proj
+    ("qwen3_next", "modelopt_nvfp4", {"dual": 1, "gemv": 1, "gated": 1}),  # q|g+k, v, gate·o_proj
+    ("qwen3", "bf16", {"dual": 1, "gemv": 1, "gated": 0}),                 # q+kv, o_proj
+])
+def test_decode_projection_launches(monkeypatch, model, dialect, launches):
     """A decode step reads q_proj, k_proj and v_proj in one GEMV launch when K and V share a
-    global scale (else q+k and v), and o_proj in one more."""
+    global scale (else q+k and v), and o_proj in one more, with the output gate applied on its
+    load (gated models: no sigmoid_gate_mul launch). The stand-ins run the reference, so the
+    output is also checked against the unpatched layer's."""
     from atlas import ops, reference as ref
-    calls = {"dual": 0, "gemv": 0}
+    calls = {"dual": 0, "gemv": 0, "gated": 0, "sigmoid_gate_mul": 0}
+    real = {name: getattr(ops, name) for name in ("w4a16_gemv_dual", "w4a16_gemv_gated", "sigmoid_gate_mul")}
 
     def gemv(x, q, **kw):
         calls["gemv"] += 1
         return ref.w4a16_gemv(x, q.packed, q.block_scale, q.global_scale)
 
-    def dual(x, q1, q2):
+    def dual(x, q1, q2, *, qg_head_dim=0):
         calls["dual"] += 1
-        calls["gemv"] -= 2
-        return gemv(x, q1), gemv(x, q2)
+        return real["w4a16_gemv_dual"](x, q1, q2, qg_head_dim=qg_head_dim)
 
-    monkeypatch.setattr(ops, "w4a16_gemv", gemv)
-    monkeypatch.setattr(ops, "w4a16_gemv_dual", dual)
-    cfg = TINY["qwen3_next"]
+    def gated(x, gate, q):
+        calls["gated"] += 1
+        return real["w4a16_gemv_gated"](x, gate, q)
+
+    def sigmoid_gate_mul(x, gate):
+        calls["sigmoid_gate_mul"] += 1
+        return real["sigmoid_gate_mul"](x, gate)
+
+    cfg = TINY[model]
     attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, dialect, "", _gen("launch", dialect)),
                                                "", "nvfp4", "cpu")
-    cache = PagedKvCache(cfg, 1, 8, device="cpu")
-    attn(torch.zeros(2, cfg.hidden_size, dtype=torch.bfloat16), cache.plan({"a": 1, "b": 1}), cache)
-    assert calls == launches
+    x = torch.randn(2, cfg.hidden_size, generator=_gen("launch_x", model)).to(torch.bfloat16)
+    caches = [PagedKvCache(cfg, 1, 8, device="cpu") for _ in range(2)]
+    want = attn(x, caches[0].plan({"a": 1, "b": 1}), caches[0])
+    for name, fn in (("w4a16_gemv", gemv), ("w4a16_gemv_dual", dual), ("w4a16_gemv_gated", gated),
+                     ("sigmoid_gate_mul", sigmoid_gate_mul)):
+        monkeypatch.setattr(ops, name, fn)
+    got = attn(x, caches[1].plan({"a": 1, "b": 1}), caches[1])
+    assert calls == dict(launches, sigmoid_gate_mul=0)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dialect,weight_format", [("bf16", "nvfp4"), ("modelopt_nvfp4", "nvfp4"), ("bf16", "bf16")])

@@ -131,6 +131,23 @@ def test_ops_semantics_cpu():
     assert torch.equal(y1, ops.w4a16_gemv(x, q)) and torch.equal(y2, ops.w4a16_gemv(x, q2))
     g, u = random_x(3, 64, key="g"), random_x(3, 64, key="u")
     assert torch.equal(ops.w4a16_gemv_silu(g, u, q), ops.w4a16_gemv(reference.silu_mul(g, u), q))
+    # dual with a gated q1: y1 is w4a16_gemv_qg's [Q | G]
+    y1, y2 = ops.w4a16_gemv_dual(x, q, q2, qg_head_dim=hd)
+    assert torch.equal(y1, qg) and torch.equal(y2, ops.w4a16_gemv(x, q2))
+    # gated: the reference composition, the gate read in place from a strided [M, Q | G] half
+    qg_buf = random_x(3, 128, key="qg_buf")
+    gate = qg_buf[:, 64:]
+    want = ops.w4a16_gemv(reference.sigmoid_gate_mul(x, gate), q)
+    assert torch.equal(ops.w4a16_gemv_gated(x, gate, q), want)
+    assert torch.equal(ops.w4a16_gemv_gated(x, gate.contiguous(), q), want)
+
+
+def test_sigmoid_gate_mul_definition():
+    """The gated activation: x · sigmoid(g) in float32, one rounding (values far from 1 too)."""
+    x = torch.tensor([[3.0, -2.0, 1e4, 0.5, -7.0, 1.0, 0.0, 250.0]]).bfloat16()
+    g = torch.tensor([[-100.0, -1.0, 0.0, 0.5, 3.0, 90.0, 1.0, -2.0]]).bfloat16()
+    xf, gf = x.double(), g.double()
+    assert torch.equal(reference.sigmoid_gate_mul(x, g), (xf / (1 + torch.exp(-gf))).bfloat16())
 
 
 def test_silu_mul_definition():
@@ -174,6 +191,18 @@ BAD_CALLS = [
     ("silu up shape", lambda: ops.w4a16_gemv_silu(_x(m=2), _x(m=3), _q()), ValueError, "up must have the shape of gate"),
     ("silu gate dtype", lambda: ops.w4a16_gemv_silu(_x(dtype=torch.float32), _x(), _q()), TypeError, "gate must be bfloat16"),
     ("silu up K", lambda: ops.w4a16_gemv_silu(_x(), _x(k=48), _q()), ValueError, "up must have K"),
+    ("dual qg_head_dim < 0", lambda: ops.w4a16_gemv_dual(_x(), _q(), _q(), qg_head_dim=-1), ValueError,
+     "qg_head_dim must be an int ≥ 0"),
+    ("dual qg_head_dim type", lambda: ops.w4a16_gemv_dual(_x(), _q(), _q(), qg_head_dim=8.0), ValueError,
+     "qg_head_dim must be an int ≥ 0"),
+    ("dual qg heads", lambda: ops.w4a16_gemv_dual(_x(), _q(), _q(), qg_head_dim=12), ValueError,
+     "q1 must have N1 a multiple of 2·qg_head_dim"),
+    ("gated gate shape", lambda: ops.w4a16_gemv_gated(_x(m=2), _x(m=3), _q()), ValueError, "gate must have the shape of x"),
+    ("gated gate dtype", lambda: ops.w4a16_gemv_gated(_x(), _x(dtype=torch.float16), _q()), TypeError, "gate must be bfloat16"),
+    ("gated gate K", lambda: ops.w4a16_gemv_gated(_x(), _x(k=48), _q()), ValueError, "gate must have K"),
+    ("gated x M", lambda: ops.w4a16_gemv_gated(_x(m=33), _x(m=33), _q()), ValueError, "x must have 1 ≤ M ≤ 32"),
+    ("gated gate device", lambda: ops.w4a16_gemv_gated(_x(), _x().to("meta"), _q()), ValueError, "gate must be on cpu"),
+    ("gated q type", lambda: ops.w4a16_gemv_gated(_x(), _x(), None), TypeError, "q must be an atlas.NVFP4Weight"),
 ]
 
 
@@ -319,6 +348,61 @@ def test_silu_bitwise_vs_unfused(n, k, m):
     _poison_allocator(m * n)
     y = ops.w4a16_gemv_silu(g, u, q)
     assert torch.equal(y, ops.w4a16_gemv(reference.silu_mul(g, u), q))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,k", [(2048, 4096), (5120, 6144), (17, 48), (33, 4112), (100, 272)])
+@pytest.mark.parametrize("m", [1, 4, 32])
+@pytest.mark.parametrize("strided", [False, True])
+def test_gated_bitwise_vs_unfused(n, k, m, strided):
+    """o_proj with the attention output gate on its load == sigmoid_gate_mul then w4a16_gemv,
+    bitwise (35B-A3B and 27B o_proj, odd shapes; the gate contiguous or the G half of a
+    [M, Q | G] buffer, read in place with row stride 2K)."""
+    q = random_weight(n, k, key="gated", device="cuda")
+    x = random_x(m, k, key="gated_x", device="cuda", scale=30.0)          # far from 1
+    buf = random_x(m, 2 * k, key="gated_g", device="cuda", scale=4.0)     # sigmoid saturates too
+    gate = buf[:, k:] if strided else buf[:, k:].contiguous()
+    unfused = ops.w4a16_gemv(ops.sigmoid_gate_mul(x.view(m, 1, k), gate.view(m, 1, k)).view(m, k), q)
+    _poison_allocator(m * n)
+    y = ops.w4a16_gemv_gated(x, gate, q)
+    assert torch.equal(y, unfused)
+    ref = _ref(reference.sigmoid_gate_mul(x, gate), q)
+    assert rel_err(y, ref) <= TOL[torch.bfloat16] + 2.0 ** -8    # + sigmoid_gate_mul's ≤ 1-ulp expf
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("nq,hd,n2,k", [(16, 256, 1024, 2048), (24, 256, 2048, 5120), (2, 16, 33, 272)])
+@pytest.mark.parametrize("m", [1, 5, 32])
+def test_dual_qg_bitwise_vs_unfused(nq, hd, n2, k, m):
+    """Dual launch with the gated q_proj de-interleaved on the store: y1 == w4a16_gemv_qg, y2 ==
+    w4a16_gemv (35B-A3B and 27B q_proj + [k; v])."""
+    q1 = random_weight(2 * nq * hd, k, key="dqg1", device="cuda")
+    q2 = random_weight(n2, k, key="dqg2", device="cuda", global_scale=3.0)
+    x = random_x(m, k, key="dqg", device="cuda")
+    _poison_allocator(m * max(2 * nq * hd, n2))
+    y1, y2 = ops.w4a16_gemv_dual(x, q1, q2, qg_head_dim=hd)
+    assert torch.equal(y1, ops.w4a16_gemv_qg(x, q1, nq, hd)) and torch.equal(y2, ops.w4a16_gemv(x, q2))
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_gated():
+    """The gated GEMV captured with a strided gate reads the static buffers at replay."""
+    m, k, n = 4, 4096, 2048
+    q = random_weight(n, k, key="graph_gated", device="cuda")
+    static_x = random_x(m, k, key="graph_gated_x", device="cuda")
+    static_qg = random_x(m, 2 * k, key="graph_gated_qg", device="cuda")
+    ops.w4a16_gemv_gated(static_x, static_qg[:, k:], q)        # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = ops.w4a16_gemv_gated(static_x, static_qg[:, k:], q)
+    for step in range(3):
+        static_x.copy_(random_x(m, k, key=("graph_gated_x", step), device="cuda"))
+        static_qg.copy_(random_x(m, 2 * k, key=("graph_gated_qg", step), device="cuda", scale=3.0))
+        poison_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, ops.w4a16_gemv_gated(static_x, static_qg[:, k:].contiguous(), q))
 
 
 @pytest.mark.cuda

@@ -16,17 +16,21 @@ per 32 rows, see atlas.linear), all graph-capturable:
                         scale (ModelOpt / llm-compressor exports, and every BF16/FP8 → NVFP4
                         conversion here): their rows are concatenated once at load into one
                         NVFP4 weight. Otherwise dual(q_proj, k_proj) + w4a16_gemv(v_proj).
-                        The gated q_proj output stays per head [q | gate]: the next kernels read
-                        q and gate through strides, so no de-interleave pass (nor the _qg
-                        variant's store permutation) is needed at all.
+                        Gated: q_proj's per-head [q | gate] rows are de-interleaved on the store
+                        (qg_head_dim) into [T, Q of all heads | G of all heads], so qk_norm_rope
+                        reads Q through its row stride and the G half is o_proj's gate operand
+                        as it is ([T, nq·hd], row stride 2·nq·hd): no copy, no extra pass.
     2. qk_norm_rope     q/k norms + RoPE + K/V cache write, one bf16 rounding (csrc/qk_norm_rope.cu)
     3. paged_decode     per run of consecutive sequences with the same query_len ≤ 8 (+ its
                         split-K combine)
-    4. sigmoid_gate_mul (gated only)
-    5. w4a16_gemv       o_proj
+    4. w4a16_gemv_gated o_proj of bf16(o · sigmoid(G)), the gate applied as o is loaded (gated;
+                        bitwise sigmoid_gate_mul + w4a16_gemv, one launch fewer), or
+       w4a16_gemv       o_proj (plain Qwen3)
 Prefill chunks (query_len > 8) run the projections like any other rows (GEMV chunks up to 128
 rows in the step, beyond that GEMMs: cuBLAS over the on-the-fly BF16 dequantization, see
-atlas.linear) and attend with
+atlas.linear; there, and for BF16 / FP8 weights, the gated q_proj output stays per head
+[q | gate], read through strides, and the gate is a sigmoid_gate_mul launch before o_proj) and
+attend with
 paged_decode over query chunks of 8: a chunk of n new rows becomes ceil(n/8) pseudo-sequences
 of 8 query rows, chunk c ending at row min(8c + 8, n) with seq_len = context + that end, so
 each row sees exactly its causal prefix (cached tokens + new tokens up to itself). The last
@@ -47,7 +51,7 @@ from atlas import ops
 from atlas._validate import check_tensor
 from atlas.config import ModelConfig
 from atlas.kv_cache import AttentionMetadata, PagedKvCache
-from atlas.linear import GEMV_CHUNKED_MAX_ROWS, Linear, gemv, gemv_dual, load_linears
+from atlas.linear import GEMV_CHUNKED_MAX_ROWS, Linear, gemv, gemv_dual, gemv_gated, load_linears
 from atlas.nvfp4 import NVFP4Weight
 
 MAX_DECODE_QUERY_LEN = 8      # paged_decode serves query_len ≤ 8 (decode and verify groups)
@@ -203,9 +207,11 @@ class Qwen3AttentionLayer:
         q = ops.qk_norm_rope(q, k, v, self.q_norm_weight, self.k_norm_weight, meta.positions, k_cache,
                              v_cache, meta.slot_mapping, k_scale, v_scale, **self.norm_kwargs)
         o = self._attend(q, meta, k_cache, v_cache, k_scale, v_scale)              # [T, nq, hd]
-        if gate is not None:
-            o = ops.sigmoid_gate_mul(o, gate)
-        return self.o_proj(o.view(t, self.nq * self.hd))
+        if gate is None:
+            return self.o_proj(o.view(t, self.nq * self.hd))
+        if self._gemv_rows(t):                    # gate [T, nq·hd] (the G half): fused into o_proj
+            return gemv_gated(o.view(t, self.nq * self.hd), gate, self.o_proj.weight)
+        return self.o_proj(ops.sigmoid_gate_mul(o, gate).view(t, self.nq * self.hd))   # gate [T, nq, hd]
 
     def write_kv(self, hidden: Tensor, meta: AttentionMetadata, cache: PagedKvCache, layer: int = 0) -> None:
         """The K/V half of __call__: writes the rows' normed, rotated K and V into the cache,
@@ -235,23 +241,32 @@ class Qwen3AttentionLayer:
         ops.qk_norm_rope(k[:, :1], k, v, self.q_norm_weight, self.k_norm_weight, meta.positions, k_cache,
                          v_cache, meta.slot_mapping, k_scale, v_scale, **self.norm_kwargs)  # q: a dummy head
 
+    def _gemv_rows(self, t: int) -> bool:
+        """The step's projections run as NVFP4 GEMVs (decode / verify, and any step of ≤ 128 rows)."""
+        return self.weight_format == "nvfp4" and t <= GEMV_CHUNKED_MAX_ROWS
+
     def _project_qkv(self, x: Tensor):
-        """x [T, h] → q [T, nq, hd], gate [T, nq, hd] or None, k, v [T, nkv, hd] (strided views)."""
+        """x [T, h] → q [T, nq, hd], gate, k, v [T, nkv, hd] (strided views). gate: None (plain);
+        GEMV rows: [T, nq·hd], the G half of the de-interleaved [T, Q | G] q_proj output (row
+        stride 2·nq·hd); otherwise [T, nq, hd], the gate half of the per-head [q | gate] rows."""
         t, nq, nkv, hd = x.shape[0], self.nq, self.nkv, self.hd
-        if self.weight_format == "nvfp4" and t <= GEMV_CHUNKED_MAX_ROWS:             # decode / verify
+        qg_head_dim = hd if self.gated else 0
+        if self._gemv_rows(t):                                                       # decode / verify
             x = x.contiguous()
             if self.kv_fused:
-                y, kv = gemv_dual(x, self.q_proj.weight, self.kv_weight)
+                y, kv = gemv_dual(x, self.q_proj.weight, self.kv_weight, qg_head_dim=qg_head_dim)
                 k, v = kv[:, :nkv * hd], kv[:, nkv * hd:]
             else:
-                y, k = gemv_dual(x, self.q_proj.weight, self.k_proj.weight)
+                y, k = gemv_dual(x, self.q_proj.weight, self.k_proj.weight, qg_head_dim=qg_head_dim)
                 v = gemv(x, self.v_proj.weight)
-        else:                                                                        # GEMM / bf16 / fp8
+            q = y[:, :nq * hd].view(t, nq, hd)                 # [T, Q | G] or [T, Q]
+            gate = y[:, nq * hd:] if self.gated else None
+        elif self.gated:                                                             # GEMM / bf16 / fp8
             y, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.gated:                                                               # per head [q | gate]
-            y = y.view(t, nq, 2 * hd)
+            y = y.view(t, nq, 2 * hd)                                                # per head [q | gate]
             q, gate = y[..., :hd], y[..., hd:]
         else:
+            y, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             q, gate = y.view(t, nq, hd), None
         return q, gate, k.view(t, nkv, hd), v.view(t, nkv, hd)
 

@@ -1,7 +1,8 @@
 // C++ driver (no torch): launch_w4a16_gemv against a float64 host reference on random NVFP4
 // weights (every code, e4m3 scales over the whole range incl. subnormal and zero), odd N, K
-// with and without the vector path, M = 1..32 with bitwise batch invariance, dual, qg, silu and
-// n_rows, outputs poisoned with 0xFF (NaN) first. For compute-sanitizer. Exit 77 = no GPU.
+// with and without the vector path, M = 1..32 with bitwise batch invariance, dual, qg, silu,
+// sigmoid gate (contiguous and strided) and n_rows, outputs poisoned with 0xFF (NaN) first.
+// For compute-sanitizer. Exit 77 = no GPU.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -82,10 +83,14 @@ struct DeviceWeight {
 };
 
 // Run one launch; returns the output as float (bf16 or f32 out).
+// x2 (silu's up or the sigmoid gate, rows x2_stride apart, 0 = K) is used iff act != kPlain.
 std::vector<float> run(const atlas::W4A16GemvWeight& wt_in, int m, int k, const uint16_t* d_x,
-                       const uint16_t* d_up, atlas::DType dt, int qg_hd = 0) {
+                       const uint16_t* d_x2, atlas::DType dt, int qg_hd = 0,
+                       atlas::GemvAct act = atlas::GemvAct::kSiluMul, int64_t x2_stride = 0) {
   atlas::W4A16GemvArgs a{};
-  a.x = d_x; a.up = d_up; a.m = m; a.k = k; a.out_dtype = dt; a.num_weights = 1;
+  a.x = d_x; a.x2 = d_x2; a.m = m; a.k = k; a.out_dtype = dt; a.num_weights = 1;
+  a.act = d_x2 ? act : atlas::GemvAct::kPlain;
+  a.x2_stride = x2_stride;
   a.w[0] = wt_in;
   a.w[0].qg_head_dim = qg_hd;
   const size_t esz = dt == atlas::DType::kF32 ? 4 : 2, count = size_t(m) * wt_in.n;
@@ -176,6 +181,30 @@ void run_shape(int n, int k, std::mt19937& rng) {
            "silu", n, k, 9);
     cudaFree(d_act);
   }
+  // sigmoid gate: x · sigmoid(g) (csrc/sigmoid_gate.cu's expression), near-equal to the plain
+  // kernel on the host-computed activation; a gate read with row stride 2K (the G half of a
+  // [M, Q | G] buffer) gives bitwise the contiguous gate's result
+  {
+    std::vector<uint16_t> act(g.size()), qg(2 * g.size());
+    for (size_t i = 0; i < g.size(); ++i) {
+      const float xf = bf16_value(x[i]), gf = bf16_value(g[i]);
+      act[i] = bf16_bits(xf * (1.0f / (1.0f + std::exp(-gf))));
+      const size_t row = i / k, col = i % k;
+      qg[row * 2 * k + col] = bf16_bits(NAN);              // the Q half: never read
+      qg[row * 2 * k + k + col] = g[i];
+    }
+    uint16_t *d_act, *d_qg;
+    CHECK(cudaMalloc(&d_act, act.size() * 2)); CHECK(cudaMalloc(&d_qg, qg.size() * 2));
+    CHECK(cudaMemcpy(d_act, act.data(), act.size() * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(d_qg, qg.data(), qg.size() * 2, cudaMemcpyHostToDevice));
+    const std::vector<float> fused = run(wt, 9, k, d_x, d_g, atlas::DType::kBF16, 0, atlas::GemvAct::kSigmoidGate);
+    const std::vector<float> strided = run(wt, 9, k, d_x, d_qg + k, atlas::DType::kBF16, 0,
+                                           atlas::GemvAct::kSigmoidGate, 2 * int64_t(k));
+    const std::vector<double> ref_act = reference(w, act, 9);
+    expect(rel_err(fused, ref_act, 9, n, n) <= 0.0045, "sigmoid gate", n, k, 9);
+    expect(std::memcmp(fused.data(), strided.data(), fused.size() * 4) == 0, "sigmoid gate strided", n, k, 9);
+    cudaFree(d_act); cudaFree(d_qg);
+  }
   cudaFree(d_x); cudaFree(d_g); cudaFree(d_u);
 }
 
@@ -235,6 +264,23 @@ int main() {
   // launcher argument errors
   atlas::W4A16GemvArgs bad{};
   expect(atlas::launch_w4a16_gemv(bad, 0) == cudaErrorInvalidValue, "null args rejected", 0, 0, 0);
+  {  // an activation needs its second operand (and a plain GEMV must not get one)
+    const HostWeight w = random_weight(16, 64, 1e-3f, rng);
+    DeviceWeight dw(w);
+    uint16_t* d_x; CHECK(cudaMalloc(&d_x, 64 * 2 * 2));
+    void* d_out; CHECK(cudaMalloc(&d_out, 16 * 4));
+    atlas::W4A16GemvArgs a{};
+    a.x = d_x; a.m = 1; a.k = 64; a.num_weights = 1;
+    a.w[0].packed = dw.packed; a.w[0].block_scale = dw.scale; a.w[0].global_scale = dw.gs;
+    a.w[0].out = d_out; a.w[0].n = 16;
+    a.act = atlas::GemvAct::kSigmoidGate;
+    expect(atlas::launch_w4a16_gemv(a, 0) == cudaErrorInvalidValue, "gate missing rejected", 16, 64, 1);
+    a.x2 = d_x; a.x2_stride = 60;
+    expect(atlas::launch_w4a16_gemv(a, 0) == cudaErrorInvalidValue, "x2_stride < K rejected", 16, 64, 1);
+    a.act = atlas::GemvAct::kPlain; a.x2_stride = 0;
+    expect(atlas::launch_w4a16_gemv(a, 0) == cudaErrorInvalidValue, "plain with x2 rejected", 16, 64, 1);
+    cudaFree(d_x); cudaFree(d_out);
+  }
   std::printf("%s\n", failures ? "FAILED" : "all passed");
   return failures ? 1 : 0;
 }
