@@ -23,12 +23,15 @@
 //      then warp 0 scatters the pairs 32 at a time in pair order (__match_any_sync ranks lanes
 //      with the same expert), so the lists are deterministic. Fixed grid, buffers sized for the
 //      worst case G: no host sync, graph-capturable. Replaces v2's torch argsort "pair sort".
-//   2. gate_up: grid (I / 32, G), 128 threads = 4 warps, one 16-row A tile each. CTA (x, s) runs
-//      group s (exits at once when s ≥ num_groups): warps 2j and 2j+1 own the gate and the up
-//      rows n = 32x + 16j .. +16, so silu(g)·u fuses in the epilogue (the up warp hands
-//      bf16(u) to the gate warp through 2 KB of smem). One tile per warp, not (gate, up) per
-//      warp: B = 1 has only 9 × 512 / 16 = 288 gate+up tile pairs, and the dequant-bound
-//      warps need ≥ one per scheduler (528) to keep the H200's issue slots busy.
+//   2. gate_up: grid (I / 32, G), 256 threads = 2 K groups × 4 tile warps, one 16-row A tile
+//      each. CTA (x, s) runs group s (exits at once when s ≥ num_groups): tile warps 2j and
+//      2j+1 own the gate and the up rows n = 32x + 16j .. +16, so silu(g)·u fuses in the
+//      epilogue (the up warp hands bf16(u) to the gate warp through 2 KB of smem); K group kg
+//      computes the 128-k chunks c ≡ kg (mod 2) and the two partials are added acc_0 + acc_1
+//      through smem (an order fixed by K alone). One tile per warp and 2 K groups, not (gate,
+//      up) per warp: B = 1 has only 9 × 512 / 16 = 288 gate+up tile pairs, and the
+//      dequant-bound warps need several per scheduler (528) to keep the H200's issue slots
+//      busy: 1152 warps, each a 8-chunk dequant chain instead of 16.
 //      Columns = the group's pairs, B row = x[p / k]; MT = ceil(T/8) ≤ 4 n8 tiles
 //      (template, picked at launch from T), of which ceil(M/8) are live for a group of M pairs
 //      (warp-uniform branch: a 1-pair group issues 1 mma tile, not MT); a group of M > 8·MT
@@ -48,16 +51,17 @@
 //     step (w, h) pairs physical k (8w+2h, 8w+2h+4) and (8w+2h+1, 8w+2h+5) + 32t; the B
 //     fragment is the 16-byte activation unit k 32t+8w .. +8 of row g, permuted by 4 prmt at
 //     read time (BF16 weights get the same permutation).
-//   pipeline: kStages (NVFP4 6 at MT = 1, else 4; BF16 4 / 3; smem for at most the K's chunk
-//     count) cp.async stages, one barrier per chunk. A stage holds 64
+//   pipeline: kStages cp.async stages of one 128-k chunk (Format::stages: NVFP4 down 6 at
+//     MT = 1, else 4, gate_up 8 / 6; BF16 4 / 3, 6 / 4; smem for at most K's chunk count), one
+//     barrier per step of KG chunks (the K groups compute them side by side). A stage holds 64
 //     weight rows × 64 B (NVFP4) | 256 B (BF16), 64 × 8 scale bytes (NVFP4), 8·MT activation
 //     rows × 256 B (16-byte units swizzled by bf16_unit_slot: conflict-free fragment loads).
 //     Copies: 128 threads × 2 (NVFP4) | 8 (BF16) 16-byte weight pieces per chunk (contiguous
 //     per row: conflict-free smem writes) through a table of the CTA's 64 row pointers in smem,
 //     8 scale bytes per thread < 64 (K % 128 == 0; else 16-bit loads, synchronous: only odd test
 //     shapes take it), one 16-byte unit per live activation row per 16 threads. K tails
-//     (K % 32 == 0) zero-fill weights and activations. ptxas: 105–125 registers under
-//     __launch_bounds__(128, 4) (4 CTAs/SM), no spills.
+//     (K % 32 == 0) zero-fill weights and activations. ptxas: 86–122 registers under
+//     __launch_bounds__(128, 4) (down) / (256, 2) (gate_up), no spills.
 //   Activation rows ≥ the pass's M are never written (stale smem): they feed only mma columns
 //     ≥ M, which are never stored (mma columns are independent dot products).
 //   PDL: gate_up waits for the grouping kernel before reading anything. down reads the group
@@ -68,8 +72,9 @@
 //     implies its predecessors' (the workspace may be reused by the stream's next op).
 //
 // Batch invariance: a pair's dot is the same bits whatever else is in the batch — its column's
-// mma sequence (chunks in order, 8 steps each) depends on K only, not on MT, on the column it
-// lands in, or on the pass; the combine sums slots in order j. Tested bitwise (one token alone ==
+// mma sequence (chunks in order, 8 steps each; gate_up: the even and the odd chunks in two
+// partials, then acc_0 + acc_1) depends on K only, not on MT, on the column it lands in, or on
+// the pass; the combine sums slots in order j. Tested bitwise (one token alone ==
 // that token inside a 32-token batch sharing all its experts).
 //
 // Versions (bench: python bench/bench_mtp.py --parts; tests: tests/test_moe_route.py,
@@ -86,9 +91,9 @@
 //   35B-A3B (h 2048, I 512, top-8 of 256 + the shared expert as slot 8), NVFP4: B = 1: 9 experts
 //   × 1.77 MB = 15.9 MB → 3.8 µs at 4.2 TB/s; B = 32: ≈ 163 distinct experts × 1.77 MB ≈ 289 MB
 //   → ≈ 69 µs.
-// v3 prediction (graph replay, L2 warm as bench_mtp --parts measures): B = 1 ≈ 10 µs (group ≈ 2,
-//   gate_up ≈ 3.5–4: 144 CTAs × 4 warps ≈ 1 warp per scheduler, so a warp's own dequant chain
-//   (16 chunks × ≈ 210 instructions) bounds it; 5 chunks = 23 KB in flight per CTA; down ≈ 1.5:
+// v3 prediction (graph replay, L2 warm as bench_mtp --parts measures): B = 1 ≈ 9 µs (group ≈ 2,
+//   gate_up ≈ 2.5–3: 144 CTAs × 8 warps ≈ 2 warps per scheduler, each an 8-chunk dequant chain
+//   (≈ 210 instructions per chunk), 6 chunks = 28 KB in flight per CTA; down ≈ 1.5:
 //   its 5.3 MB prefetched under gate_up; combine ≈ 1.5; the rest PDL launch gaps); B = 32 ≈
 //   105 µs (≈ 0.7 of copy bandwidth on 289 MB: ≈ 210 warp-instructions per chunk and warp for
 //   1152 weight bytes (dequant ≈ 150), ≈ 75% of the H200's issue rate at copy bandwidth, plus
@@ -254,12 +259,12 @@ __device__ __forceinline__ uint4 permute_unit(uint4 a) {
 // Weight formats: bytes per row per chunk, copy pieces, and the lane's A fragment of word wd.
 struct Nvfp4Format {
   static constexpr bool kScaled = true;
-  // Stages: MT = 1: 6 (5 chunks = 23 KB of weights in flight per CTA; 40 KB smem, 4 CTAs/SM by
-  // registers). MT > 1: 4 — the 8·MT activation rows (8 KB per stage at MT = 4) dominate the
-  // stage, and 6 stages (77 KB) would leave 2 CTAs = 8 warps per SM for the dequant-bound loop;
-  // 4 stages (51 KB) keep 4 CTAs/SM with 3 × 4.6 KB × 4 = 55 KB in flight.
-  static constexpr int kStagesNarrow = 6;
-  static constexpr int kStagesWide = 4;
+  // Stages (KG = 1, 4 CTAs/SM by registers): MT = 1: 6 (5 chunks = 23 KB of weights in flight
+  // per CTA; 40 KB smem). MT > 1: 4 — the 8·MT activation rows (8 KB per stage at MT = 4)
+  // dominate the stage, and 6 stages (77 KB) would leave 2 CTAs = 8 warps per SM; 4 stages
+  // (51 KB) keep 4 CTAs/SM with 3 × 4.6 KB × 4 = 55 KB in flight. KG = 2 (2 CTAs of 8 warps per
+  // SM; KG chunks in compute): 8 / 6 (6 and 4 chunks ahead).
+  static constexpr int stages(int mt, int kg) { return kg == 1 ? (mt == 1 ? 6 : 4) : (mt == 1 ? 8 : 6); }
   static constexpr int kRowBytes = kChunkK / 2;      // 64 packed bytes
   static constexpr int kScaleBytes = kChunkK / 16;   // 8 e4m3 block scales
   static constexpr int kPieces = kRowBytes / 16;     // 16-byte copies per row per chunk
@@ -289,8 +294,9 @@ struct Nvfp4Format {
 
 struct Bf16Format {
   static constexpr bool kScaled = false;
-  static constexpr int kStagesNarrow = 4;            // 4× the bytes per chunk of NVFP4
-  static constexpr int kStagesWide = 3;
+  static constexpr int stages(int mt, int kg) {     // 4× the bytes per chunk of NVFP4
+    return kg == 1 ? (mt == 1 ? 4 : 3) : (mt == 1 ? 6 : 4);
+  }
   static constexpr int kRowBytes = kChunkK * 2;      // 256
   static constexpr int kScaleBytes = 0;
   static constexpr int kPieces = kRowBytes / 16;     // 16
@@ -318,8 +324,8 @@ struct StageLayout {
 
 // Pipeline depth; a launch allocates min(stages, chunks of K) of them (the ring only wraps when
 // K has more chunks than stages: down at I = 512 has 4 chunks, so 4 stages of smem).
-template <class F, int MT>
-__host__ __device__ constexpr int stage_count() { return MT == 1 ? F::kStagesNarrow : F::kStagesWide; }
+template <class F, int MT, int KG>
+__host__ __device__ constexpr int stage_count() { return F::stages(MT, KG); }
 
 template <class F, int MT>
 __host__ __device__ constexpr StageLayout stage_layout() {
@@ -338,20 +344,26 @@ struct GroupedGemv {
 };
 
 // grid (row tiles, G): CTA (x, s) = rows x of group s's expert for all the group's pairs.
-// gate_up (kGateUp): rows n = 32x + 16w + (0..15) of gate (tile 0) and up (tile 1) of warp w,
-// act[p, n] = bf16(silu(bf16(gate·x)) · bf16(up·x)). down: rows n = 64x + 32w + 16i + (0..15)
-// (tile i), d[p, n] = bf16(down·act[p]).
-template <class F, bool kGateUp, int MT>
-__global__ void __launch_bounds__(kThreads, 4) moe_grouped_gemv_kernel(const __grid_constant__ GroupedGemv p) {
+// Warp w: tile warp tw = w % 4 (local rows 16·tw .. +16), K group kg = w / 4 (KG K groups: group
+// kg computes the chunks c ≡ kg mod KG; the partials are summed acc_0 + acc_1 in that order).
+// gate_up: tile tw = 2j is gate rows n = 32x + 16j + (0..15), tw = 2j + 1 the up rows of the same
+// n; act[p, n] = bf16(silu(bf16(gate·x)) · bf16(up·x)). down: rows n = 64x + 16·tw + (0..15),
+// d[p, n] = bf16(down·act[p]).
+template <class F, bool kGateUp, int MT, int KG>
+__global__ void __launch_bounds__(kThreads * KG, KG == 1 ? 4 : 2)
+    moe_grouped_gemv_kernel(const __grid_constant__ GroupedGemv p) {
   constexpr StageLayout lay = stage_layout<F, MT>();
-  constexpr int kStages = stage_count<F, MT>();
+  constexpr int kStages = stage_count<F, MT, KG>();
   constexpr int kCols = 8 * MT;
+  constexpr int kCtaThreads = kThreads * KG;
+  static_assert(kStages >= 2 * KG, "a step consumes KG chunks and refills KG stages");
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ const uint8_t* w_rows[kCtaRows];   // local row lr's first byte in the stack; nullptr: n ≥ N
   __shared__ int32_t col_pair[kCols];           // the pair of mma column c in this pass
   __shared__ int64_t col_src[kCols];            // element offset of column c's B row in p.b
   __shared__ float up_s[kGateUp ? kWarps / 2 : 1][kTileN][kCols];   // gate_up: bf16(up) handed to the gate warp
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int tw = warp % kWarps, kg = warp / kWarps;   // tile warp, K group
   const uint32_t smem_base = smem_u32(smem);
   const int s = blockIdx.y, K = p.k, N = p.n;
 
@@ -369,9 +381,8 @@ __global__ void __launch_bounds__(kThreads, 4) moe_grouped_gemv_kernel(const __g
     return;
   }
 
-  // ---- the CTA's 64 weight rows: local row lr = 16·tile + r, tile = the warp that computes it;
-  // gate_up: tile 2j = gate rows n = 32x + 16j + r, tile 2j+1 = up rows (the same n); down:
-  // n = 64x + lr. Thread tid < 64 sets up local row tid.
+  // ---- the CTA's 64 weight rows: local row lr = 16·tw + r (see above); thread tid < 64 sets up
+  // local row tid.
   const uint8_t* s_row = nullptr;   // [K/16] e4m3: row tid's block scales (NVFP4), nullptr past N
   if (tid < kCtaRows) {
     const int lr = tid, tile = lr / kTileN;
@@ -388,10 +399,10 @@ __global__ void __launch_bounds__(kThreads, 4) moe_grouped_gemv_kernel(const __g
   // before this one writes them, so down issues its first chunks before griddepcontrol.wait.
   auto issue_weights = [&](int st, int c) {
     const int k_rem = K - c * kChunkK;
-    static_assert(kCtaRows * F::kPieces % kThreads == 0, "whole pieces per thread");
+    static_assert(kCtaRows * F::kPieces % kCtaThreads == 0, "whole pieces per thread");
 #pragma unroll
-    for (int j = 0; j < kCtaRows * F::kPieces / kThreads; ++j) {
-      const int q = tid + kThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
+    for (int j = 0; j < kCtaRows * F::kPieces / kCtaThreads; ++j) {
+      const int q = tid + kCtaThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
       const uint8_t* row = w_rows[lr];
       const bool ok = row != nullptr && u * F::kPieceK < k_rem;
       cp_async16(smem_base + st + lay.w_off + F::slot(lr, u), ok ? row + c * F::kRowBytes + u * 16 : p.a[0].weight,
@@ -413,9 +424,9 @@ __global__ void __launch_bounds__(kThreads, 4) moe_grouped_gemv_kernel(const __g
     }
   };
   // Stage st ← chunk c's activations of the pass's `rows` columns: thread tid copies unit
-  // tid % 16 of rows tid / 16, tid / 16 + 8, …
+  // tid % 16 of rows tid / 16, tid / 16 + kCtaThreads / 16, …
   const int x_u = tid % kXUnits, x_r0 = tid / kXUnits;
-  constexpr int kXRowStep = kThreads / kXUnits;
+  constexpr int kXRowStep = kCtaThreads / kXUnits;
   auto issue_acts = [&](int st, int c, int rows) {
     const bool ok = 8 * x_u < K - c * kChunkK;
     for (int r = x_r0; r < rows; r += kXRowStep) {
@@ -426,7 +437,7 @@ __global__ void __launch_bounds__(kThreads, 4) moe_grouped_gemv_kernel(const __g
   };
 
   float acc[MT][4];
-  const int row0 = warp * kTileN;   // the warp's tile: local rows row0 .. row0 + 15
+  const int row0 = tw * kTileN;   // the warp's tile: local rows row0 .. row0 + 15
   // One chunk on the tensor cores: 4 words × 2 mma steps × the live n8 tiles.
   auto compute_stage = [&](int st, int live_mt) {
     const uint8_t* ws = smem + st + lay.w_off;
@@ -446,6 +457,7 @@ __global__ void __launch_bounds__(kThreads, 4) moe_grouped_gemv_kernel(const __g
       }
     }
   };
+  auto stage_of = [&](int c) { return (c % kStages) * lay.bytes; };   // chunk c's stage offset
 
   // ---- passes of ≤ 8·MT pairs (one pass unless M > 8·MT) ----
   for (int c0 = 0; c0 < count; c0 += kCols) {
@@ -457,19 +469,19 @@ __global__ void __launch_bounds__(kThreads, 4) moe_grouped_gemv_kernel(const __g
     }
     __syncthreads();   // w_rows, col_pair, col_src visible; the previous pass is done with the stages
     const bool warp_live = w_rows[row0] != nullptr;   // N % 16 == 0: the tile's rows are all in or all out
-    // prologue: group 0 = the first kStages − 1 chunks' weights + chunk 0's activations,
-    // group q = chunk q's activations
+    // prologue: chunks 0 .. kStages − KG − 1. Commit group 0 = their weights + chunk 0's
+    // activations, group q = chunk q's activations.
 #pragma unroll
-    for (int q = 0; q < kStages - 1; ++q) {
-      if (q < num_chunks) issue_weights(q * lay.bytes, q);
+    for (int q = 0; q < kStages - KG; ++q) {
+      if (q < num_chunks) issue_weights(stage_of(q), q);
     }
     if (!kGateUp && c0 == 0) {   // act comes from the gate_up kernel
       pdl_wait();
       pdl_launch_dependents();
     }
 #pragma unroll
-    for (int q = 0; q < kStages - 1; ++q) {
-      if (q < num_chunks) issue_acts(q * lay.bytes, q, rows);
+    for (int q = 0; q < kStages - KG; ++q) {
+      if (q < num_chunks) issue_acts(stage_of(q), q, rows);
       cp_async_commit();
     }
 #pragma unroll
@@ -477,41 +489,64 @@ __global__ void __launch_bounds__(kThreads, 4) moe_grouped_gemv_kernel(const __g
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[mt][q] = 0.0f;
     }
-    int cur = 0;                                  // stage offset of chunk c
-    int fill = (kStages - 1) * lay.bytes;         // stage offset of chunk c − 1 (refilled at c)
-    for (int c = 0; c < num_chunks; ++c) {
-      cp_async_wait<kStages - 2>();   // this thread's copies of chunk c landed
-      __syncthreads();                // … everyone's; every warp is done with chunk c − 1's stage
-      if (c + kStages - 1 < num_chunks) {
-        issue_weights(fill, c + kStages - 1);
-        issue_acts(fill, c + kStages - 1, rows);
+    // step c: chunks c .. c + KG − 1 (K group kg computes chunk c + kg); commit group q = chunk q
+    for (int c = 0; c < num_chunks; c += KG) {
+      cp_async_wait<kStages - 2 * KG>();   // this thread's copies of chunks ≤ c + KG − 1 landed
+      __syncthreads();                     // … everyone's; every warp is done with step c − KG's stages
+#pragma unroll
+      for (int j = 0; j < KG; ++j) {       // refill the stages of chunks c − KG .. c − 1
+        const int q = c + kStages - KG + j;
+        if (q < num_chunks) {
+          issue_weights(stage_of(q), q);
+          issue_acts(stage_of(q), q, rows);
+        }
+        cp_async_commit();
       }
-      cp_async_commit();
-      if (warp_live) compute_stage(cur, live_mt);
-      fill = cur;
-      cur = cur + lay.bytes == kStages * lay.bytes ? 0 : cur + lay.bytes;
+      if (warp_live && c + kg < num_chunks) compute_stage(stage_of(c + kg), live_mt);
+    }
+    cp_async_wait<0>();   // only empty groups are left
+    __syncthreads();      // every warp is done with the stages (the K-group sum reuses them)
+
+    // ---- K groups: acc = acc_0 + acc_1 (fixed order: a function of K only) ----
+    if constexpr (KG == 2) {
+      float* part = reinterpret_cast<float*>(smem);   // [kWarps][MT][4][32 lanes]
+      if (kg == 1 && warp_live) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) part[((tw * MT + mt) * 4 + q) * 32 + lane] = acc[mt][q];
+        }
+      }
+      __syncthreads();
+      if (kg == 0 && warp_live) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[mt][q] += part[((tw * MT + mt) * 4 + q) * 32 + lane];
+        }
+      }
     }
 
     // ---- store: y = acc · global_scale · 2^7 (NVFP4) | acc (BF16), rounded once to bf16 ----
-    // gate_up: the up warp (odd) hands bf16(up) of its tile to the gate warp (even) of the same
-    // rows through smem; the gate warp stores act = bf16(silu(g) · u).
-    const int stack = kGateUp ? warp % 2 : 0;
+    // gate_up: the up warp (odd tw) hands bf16(up) of its tile to the gate warp (even tw) of the
+    // same rows through smem; the gate warp stores act = bf16(silu(g) · u).
+    const int stack = kGateUp ? tw % 2 : 0;
     const float factor = F::kScaled ? p.a[stack].global_scale[e] * kOutBias : 1.0f;
     if constexpr (kGateUp) {
-      if (stack == 1) {
+      if (kg == 0 && stack == 1) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           if (mt >= live_mt) break;
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            up_s[warp / 2][g + 8 * (q >> 1)][8 * mt + 2 * t + (q & 1)] =
+            up_s[tw / 2][g + 8 * (q >> 1)][8 * mt + 2 * t + (q & 1)] =
                 __bfloat162float(__float2bfloat16(acc[mt][q] * factor));
           }
         }
       }
       __syncthreads();
     }
-    if (warp_live && stack == 0) {
+    if (kg == 0 && warp_live && stack == 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if (mt >= live_mt) break;
@@ -522,17 +557,16 @@ __global__ void __launch_bounds__(kThreads, 4) moe_grouped_gemv_kernel(const __g
           const int64_t out_row = static_cast<int64_t>(col_pair[col]) * N;
           const float v = __bfloat162float(__float2bfloat16(acc[mt][q] * factor));
           if constexpr (kGateUp) {
-            const float u = up_s[warp / 2][r][col];
-            p.out[out_row + blockIdx.x * kGateUpRows + (warp / 2) * kTileN + r] =
+            const float u = up_s[tw / 2][r][col];
+            p.out[out_row + blockIdx.x * kGateUpRows + (tw / 2) * kTileN + r] =
                 __float2bfloat16(v / (1.0f + expf(-v)) * u);
           } else {
-            p.out[out_row + blockIdx.x * kCtaRows + warp * kTileN + r] = __float2bfloat16(acc[mt][q] * factor);
+            p.out[out_row + blockIdx.x * kCtaRows + tw * kTileN + r] = __float2bfloat16(acc[mt][q] * factor);
           }
         }
       }
     }
-    cp_async_wait<0>();   // only empty groups are left
-    __syncthreads();      // every warp is done with col_pair and the stages before the next pass
+    __syncthreads();      // every warp is done with col_pair, up_s and the partials before the next pass
   }
 }
 
@@ -604,10 +638,18 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(
 
 constexpr int kMaxDevices = 64;   // per-device opt-in bookkeeping
 
+// K groups per CTA: gate_up 2 (8 warps; B = 1 has 144 gate_up CTAs, so 1152 warps instead of
+// 576 for 528 schedulers: a warp's 16-chunk dequant chain halves), down 1 (its B = 1 grid already
+// has 288 CTAs × 4 warps, and I = 512 is only 4 chunks). A function of the role only, never of
+// T: the K order of a dot must not depend on the batch.
+constexpr int kGateUpKGroups = 2;
+constexpr int kDownKGroups = 1;
+
 template <class F, bool kGateUp, int MT>
 cudaError_t launch_grouped_gemv(const GroupedGemv& p, dim3 grid, cudaStream_t stream) {
-  auto kernel = moe_grouped_gemv_kernel<F, kGateUp, MT>;
-  constexpr int smem = stage_count<F, MT>() * stage_layout<F, MT>().bytes;   // opt-in: the most a launch uses
+  constexpr int kg = kGateUp ? kGateUpKGroups : kDownKGroups;
+  auto kernel = moe_grouped_gemv_kernel<F, kGateUp, MT, kg>;
+  constexpr int smem = stage_count<F, MT, kg>() * stage_layout<F, MT>().bytes;   // opt-in: the most a launch uses
   // Opt in above the default 48 KB once per device and instance (later calls, e.g. under graph
   // capture, make no attribute call).
   if constexpr (smem > 48 * 1024) {
@@ -620,8 +662,11 @@ cudaError_t launch_grouped_gemv(const GroupedGemv& p, dim3 grid, cudaStream_t st
       opted_in[dev] = true;
     }
   }
-  const int stages = std::min(stage_count<F, MT>(), ceil_div(p.k, kChunkK));
-  return launch_pdl(kernel, grid, dim3(kThreads), static_cast<size_t>(stages) * stage_layout<F, MT>().bytes, stream, p);
+  // the K-group partials ([4 warps][MT][4][32] f32) reuse the first stage
+  static_assert(kWarps * MT * 4 * 32 * 4 <= stage_layout<F, MT>().bytes, "partials fit one stage");
+  const int stages = std::min(stage_count<F, MT, kg>(), ceil_div(p.k, kChunkK));
+  return launch_pdl(kernel, grid, dim3(kThreads * kg), static_cast<size_t>(stages) * stage_layout<F, MT>().bytes,
+                    stream, p);
 }
 
 // MT = n8 column tiles = ceil(T / 8) clamped to [1, 4]: a group holds ≤ T pairs when a row's ids
