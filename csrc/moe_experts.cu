@@ -264,7 +264,9 @@ struct Nvfp4Format {
   // dominate the stage, and 6 stages (77 KB) would leave 2 CTAs = 8 warps per SM; 4 stages
   // (51 KB) keep 4 CTAs/SM with 3 × 4.6 KB × 4 = 55 KB in flight. KG = 2 (2 CTAs of 8 warps per
   // SM; KG chunks in compute): 8 / 6 (6 and 4 chunks ahead).
-  static constexpr int stages(int mt, int kg) { return kg == 1 ? (mt == 1 ? 6 : 4) : (mt == 1 ? 8 : 6); }
+  __host__ __device__ static constexpr int stages(int mt, int kg) {
+    return kg == 1 ? (mt == 1 ? 6 : 4) : (mt == 1 ? 8 : 6);
+  }
   static constexpr int kRowBytes = kChunkK / 2;      // 64 packed bytes
   static constexpr int kScaleBytes = kChunkK / 16;   // 8 e4m3 block scales
   static constexpr int kPieces = kRowBytes / 16;     // 16-byte copies per row per chunk
@@ -294,7 +296,7 @@ struct Nvfp4Format {
 
 struct Bf16Format {
   static constexpr bool kScaled = false;
-  static constexpr int stages(int mt, int kg) {     // 4× the bytes per chunk of NVFP4
+  __host__ __device__ static constexpr int stages(int mt, int kg) {     // 4× the bytes per chunk of NVFP4
     return kg == 1 ? (mt == 1 ? 4 : 3) : (mt == 1 ? 6 : 4);
   }
   static constexpr int kRowBytes = kChunkK * 2;      // 256
