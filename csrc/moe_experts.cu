@@ -452,8 +452,9 @@ __global__ void __launch_bounds__(kThreads * KG, KG == 1 ? 4 : 2)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if (mt >= live_mt) break;   // warp-uniform
+        const int xr = 8 * mt + g;   // activation row (column of the mma)
         const uint4 xv = permute_unit(
-            *reinterpret_cast<const uint4*>(xs + (8 * mt + g) * kXRowBytes + bf16_unit_slot(8 * mt + g, 4 * t + wd) * 16));
+            *reinterpret_cast<const uint4*>(xs + xr * kXRowBytes + bf16_unit_slot(xr, 4 * t + wd) * 16));
         mma_bf16_16816(acc[mt], ra[0], rb[0], ra[1], rb[1], xv.x, xv.y);   // h = 0
         mma_bf16_16816(acc[mt], ra[2], rb[2], ra[3], rb[3], xv.z, xv.w);   // h = 1
       }
@@ -736,8 +737,8 @@ cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
   }
   const Workspace ws = workspace_layout(a.num_tokens, a.top_k, a.num_experts, a.hidden, a.inter);
   uint8_t* base = static_cast<uint8_t*>(a.workspace);
-  const GroupTables groups{reinterpret_cast<int32_t*>(base + ws.num_groups), reinterpret_cast<int32_t*>(base + ws.expert),
-                           reinterpret_cast<int32_t*>(base + ws.start), reinterpret_cast<int32_t*>(base + ws.pairs)};
+  auto table = [&](size_t off) { return reinterpret_cast<int32_t*>(base + off); };
+  const GroupTables groups{table(ws.num_groups), table(ws.expert), table(ws.start), table(ws.pairs)};
   const int pairs = static_cast<int>(a.num_tokens * a.top_k);
   const size_t group_smem = static_cast<size_t>(a.num_experts + std::min(pairs, kGroupStagedIds)) * sizeof(int32_t);
   ATLAS_RETURN_IF_ERROR(launch_pdl(moe_group_kernel, dim3(1), dim3(kGroupThreads), group_smem, stream, a.ids, pairs,
