@@ -31,7 +31,7 @@
 //      through smem (an order fixed by K alone). One tile per warp and 2 K groups, not (gate,
 //      up) per warp: B = 1 has only 9 × 512 / 16 = 288 gate+up tile pairs, and the
 //      dequant-bound warps need several per scheduler (528) to keep the H200's issue slots
-//      busy: 1152 warps, each a 8-chunk dequant chain instead of 16.
+//      busy: 1152 warps, each an 8-chunk dequant chain instead of 16.
 //      Columns = the group's pairs, B row = x[p / k]; MT = ceil(T/8) ≤ 4 n8 tiles
 //      (template, picked at launch from T), of which ceil(M/8) are live for a group of M pairs
 //      (warp-uniform branch: a 1-pair group issues 1 mma tile, not MT); a group of M > 8·MT
