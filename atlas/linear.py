@@ -156,6 +156,7 @@ class Linear:
     def __init__(self, weight: AnyWeight):
         if isinstance(weight, NVFP4Weight):
             self.weight_format = "nvfp4"
+            weight.prepare_gemv()        # the tiled layout the decode GEMV streams (CUDA, K % 128 == 0)
         elif isinstance(weight, FP8BlockWeight):
             self.weight_format = "fp8"
             weight.derived("bf16", lambda q: dequantize_fp8_block(q, torch.bfloat16))

@@ -139,8 +139,8 @@ def w4a16_gemv(x: Tensor, q, *, out_dtype: torch.dtype = torch.bfloat16, n_rows:
                      what=f"{str(out_dtype).replace('torch.', '')} [M, n_rows] = [{m}, {n_rows}]")
     if use_kernel(x, q.packed):
         if out is None:
-            return torch.ops.atlas.w4a16_gemv(x, q.packed, q.block_scale, q.global_scale, out_dtype, n_rows, 0)
-        torch.ops.atlas.w4a16_gemv_out(x, q.packed, q.block_scale, q.global_scale, out)
+            return torch.ops.atlas.w4a16_gemv(x, *q.gemv_operands(), q.global_scale, out_dtype, n_rows, 0)
+        torch.ops.atlas.w4a16_gemv_out(x, *q.gemv_operands(), q.global_scale, out)
         return out
     y = reference.w4a16_gemv(x, q.packed[:n_rows], q.block_scale[:n_rows], q.global_scale, out_dtype)
     return y if out is None else out.copy_(y)
@@ -175,7 +175,7 @@ def w4a16_gemv_qg(x: Tensor, q, num_heads: int, head_dim: int) -> Tensor:
         raise ValueError(f"{op}: q must have N = 2·num_heads·head_dim = {2 * num_heads * head_dim} rows, "
                          f"got N = {n}")
     if use_kernel(x, q.packed):
-        return torch.ops.atlas.w4a16_gemv(x, q.packed, q.block_scale, q.global_scale, torch.bfloat16, n,
+        return torch.ops.atlas.w4a16_gemv(x, *q.gemv_operands(), q.global_scale, torch.bfloat16, n,
                                           head_dim)
     y = reference.w4a16_gemv(x, q.packed, q.block_scale, q.global_scale, torch.bfloat16)
     return reference.qg_deinterleave(y, num_heads, head_dim)
@@ -217,8 +217,8 @@ def w4a16_gemv_dual(x: Tensor, q1, q2, *, qg_head_dim: int = 0) -> tuple[Tensor,
         raise ValueError(f"{op}: q1 must have N1 a multiple of 2·qg_head_dim = {2 * qg_head_dim} rows "
                          f"(per head [q | gate]), got N1 = {n1}")
     if use_kernel(x, q1.packed, q2.packed):
-        return torch.ops.atlas.w4a16_gemv_dual(x, q1.packed, q1.block_scale, q1.global_scale,
-                                               q2.packed, q2.block_scale, q2.global_scale, qg_head_dim)
+        return torch.ops.atlas.w4a16_gemv_dual(x, *q1.gemv_operands(), q1.global_scale,
+                                               *q2.gemv_operands(), q2.global_scale, qg_head_dim)
     y1 = reference.w4a16_gemv(x, q1.packed, q1.block_scale, q1.global_scale)
     if qg_head_dim:
         y1 = reference.qg_deinterleave(y1, n1 // (2 * qg_head_dim), qg_head_dim)
@@ -252,7 +252,7 @@ def w4a16_gemv_silu(gate: Tensor, up: Tensor, q) -> Tensor:
     if up.shape[0] != m:
         raise ValueError(f"{op}: up must have the shape of gate {list(gate.shape)}, got {list(up.shape)}")
     if use_kernel(gate, up, q.packed):
-        return torch.ops.atlas.w4a16_gemv_silu(gate, up, q.packed, q.block_scale, q.global_scale)
+        return torch.ops.atlas.w4a16_gemv_silu(gate, up, *q.gemv_operands(), q.global_scale)
     return reference.w4a16_gemv(reference.silu_mul(gate, up), q.packed, q.block_scale, q.global_scale)
 
 
@@ -290,7 +290,7 @@ def w4a16_gemv_gated(x: Tensor, gate: Tensor, q) -> Tensor:
     if gate.shape[0] != m:
         raise ValueError(f"{op}: gate must have the shape of x {list(x.shape)}, got {list(gate.shape)}")
     if use_kernel(x, gate, q.packed):
-        return torch.ops.atlas.w4a16_gemv_gated(x, gate, q.packed, q.block_scale, q.global_scale)
+        return torch.ops.atlas.w4a16_gemv_gated(x, gate, *q.gemv_operands(), q.global_scale)
     return reference.w4a16_gemv(reference.sigmoid_gate_mul(x, gate), q.packed, q.block_scale, q.global_scale)
 
 def _gemv_weight_ready(packed: Tensor) -> Tensor:

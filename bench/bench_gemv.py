@@ -62,10 +62,11 @@ def copies_for(nbytes: int) -> int:
 
 
 def random_nvfp4(n: int, k: int, gen: torch.Generator) -> NVFP4Weight:
-    """Random codes and finite e4m3 scales (timing does not depend on the values)."""
+    """Random codes and finite e4m3 scales (timing does not depend on the values), with the tiled
+    GEMV layout derived as the layers do at load (NVFP4Weight.prepare_gemv)."""
     packed = torch.randint(0, 256, (n, k // 2), generator=gen, device="cuda", dtype=torch.uint8)
     scale = torch.randint(0x20, 0x50, (n, k // 16), generator=gen, device="cuda", dtype=torch.uint8)
-    return NVFP4Weight(packed, scale.view(torch.float8_e4m3fn), torch.tensor(1e-3, device="cuda"))
+    return NVFP4Weight(packed, scale.view(torch.float8_e4m3fn), torch.tensor(1e-3, device="cuda")).prepare_gemv()
 
 
 def time_rotated(make, call, nbytes: int, iters: int) -> tuple[float, int]:

@@ -61,19 +61,30 @@ void quantize_nvfp4(const torch::Tensor& w,            // [N, K] bf16|f16|f32
 }
 
 // ---- w4a16_gemv bindings (GEMV family) -----------------------------------------------------
-// One NVFP4 weight (checkpoint layout) + its output → launcher struct; checks are a second net.
-atlas::W4A16GemvWeight gemv_weight(const torch::Tensor& packed,        // [≥ n, K/2] uint8
-                                   const torch::Tensor& block_scale,   // [≥ n, K/16] e4m3
+// One NVFP4 weight + its output → launcher struct; checks are a second net. The layout is told
+// by the shapes: checkpoint packed [N, K/2] + scales [N, K/16], or the tiled layout
+// (atlas/nvfp4.py tile_for_gemv) packed [N, K/128, 64] + scales [N, K/128, 8].
+atlas::W4A16GemvWeight gemv_weight(const torch::Tensor& packed,        // [≥ n, K/2] | [≥ n, K/128, 64] uint8
+                                   const torch::Tensor& block_scale,   // [≥ n, K/16] | [≥ n, K/128, 8] e4m3
                                    const torch::Tensor& global_scale,  // [] f32
                                    torch::Tensor& out,                 // [M, n] bf16|f32 (out)
                                    int64_t n, int64_t qg_head_dim, int64_t k, const torch::Tensor& x) {
   CHECK_CUDA_TENSOR(packed); CHECK_CUDA_TENSOR(block_scale); CHECK_CUDA_TENSOR(global_scale);
   CHECK_CUDA_TENSOR(out); CHECK_CONTIGUOUS(packed); CHECK_CONTIGUOUS(block_scale); CHECK_CONTIGUOUS(out);
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.size(1) * 2 == k,
-              "w4a16_gemv: packed must be uint8 [N, K/2] with K = ", k);
-  TORCH_CHECK(block_scale.scalar_type() == at::ScalarType::Float8_e4m3fn && block_scale.dim() == 2 &&
-              block_scale.size(0) == packed.size(0) && block_scale.size(1) * 16 == k,
-              "w4a16_gemv: block_scale must be e4m3 [N, K/16]");
+  const bool tiled = packed.dim() == 3;
+  if (tiled) {
+    TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && k % 128 == 0 && packed.size(1) == k / 128 &&
+                packed.size(2) == 64, "w4a16_gemv: tiled packed must be uint8 [N, K/128, 64] with K = ", k);
+    TORCH_CHECK(block_scale.scalar_type() == at::ScalarType::Float8_e4m3fn && block_scale.dim() == 3 &&
+                block_scale.size(0) == packed.size(0) && block_scale.size(1) == k / 128 && block_scale.size(2) == 8,
+                "w4a16_gemv: tiled block_scale must be e4m3 [N, K/128, 8]");
+  } else {
+    TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.size(1) * 2 == k,
+                "w4a16_gemv: packed must be uint8 [N, K/2] with K = ", k);
+    TORCH_CHECK(block_scale.scalar_type() == at::ScalarType::Float8_e4m3fn && block_scale.dim() == 2 &&
+                block_scale.size(0) == packed.size(0) && block_scale.size(1) * 16 == k,
+                "w4a16_gemv: block_scale must be e4m3 [N, K/16]");
+  }
   TORCH_CHECK(global_scale.scalar_type() == torch::kFloat && global_scale.numel() == 1,
               "w4a16_gemv: global_scale must be a float32 scalar");
   TORCH_CHECK(n >= 1 && n <= packed.size(0), "w4a16_gemv: n_rows must be in [1, N]");
@@ -90,6 +101,8 @@ atlas::W4A16GemvWeight gemv_weight(const torch::Tensor& packed,        // [≥ n
   w.out = out.data_ptr();
   w.n = static_cast<int>(n);
   w.qg_head_dim = static_cast<int>(qg_head_dim);
+  w.tiled = tiled;
+  w.rows = static_cast<int>(packed.size(0));
   return w;
 }
 

@@ -494,3 +494,75 @@ def test_sass_cache_descriptors_defined():
         pytest.skip("no SASS in the extension")
     bad = undefined_descriptor_reads(sass)
     assert not bad, f"undefined cache-descriptor reads: {bad[:5]}"
+
+
+# ---- the tiled weight layout (NVFP4Weight.prepare_gemv / nvfp4.tile_for_gemv) -----------------
+
+def _tiled(q: NVFP4Weight) -> NVFP4Weight:
+    """A second handle on q's tensors with the tiled GEMV layout derived (q itself stays on the
+    checkpoint layout)."""
+    t = NVFP4Weight(q.packed, q.block_scale, q.global_scale).prepare_gemv()
+    assert t.gemv_operands()[0].dim() == 3
+    return t
+
+
+def test_tile_for_gemv_layout_cpu():
+    """Byte map of the tiled layout (csrc/w4a16_gemv.h): tile t's chunk c of row 16t + r at
+    16t·C·b + c·r_t·b + r·b, r_t = min(16, N − 16t), for b = 64 (packed) and 8 (scales)."""
+    from atlas.nvfp4 import tile_for_gemv
+    for n, k in [(1, 128), (17, 256), (33, 384), (48, 128), (5, 512)]:
+        q = random_weight(n, k, key=("tile", n, k))
+        p, s = tile_for_gemv(q)
+        assert p.shape == (n, k // 128, 64) and s.shape == (n, k // 128, 8) and s.dtype == torch.float8_e4m3fn
+        flat = {64: p.reshape(-1), 8: s.view(torch.uint8).reshape(-1)}
+        src = {64: q.packed, 8: q.block_scale.view(torch.uint8)}
+        c_n = k // 128
+        for b in (64, 8):
+            for row in range(n):
+                t, r = divmod(row, 16)
+                rows_t = min(16, n - 16 * t)
+                for c in range(c_n):
+                    off = 16 * t * c_n * b + c * rows_t * b + r * b
+                    assert torch.equal(flat[b][off:off + b], src[b][row, c * b:(c + 1) * b]), (n, k, b, row, c)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tile_for_gemv(random_weight(4, 48, key="tile48"))
+    assert random_weight(4, 128, key="cpu").prepare_gemv().gemv_operands()[0].dim() == 2   # CPU: no-op
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,k", [(1, 128), (17, 256), (100, 2048), (2048, 512), (33, 4096), (1024, 5120),
+                                 (248077, 256)])
+@pytest.mark.parametrize("m", [1, 5, 32])
+def test_tiled_layout_bitwise(n, k, m):
+    """Every GEMV variant reads the tiled layout to the same bits as the checkpoint layout
+    (which the sweeps above check against the reference): plain bf16 / f32, an n_rows prefix,
+    dual (tiled with tiled, tiled with checkpoint), silu and gated."""
+    q, x = _cuda_case(n, k, m, key=("tiled", n, k))
+    qt = _tiled(q)
+    assert torch.equal(ops.w4a16_gemv(x, qt), ops.w4a16_gemv(x, q))
+    rows = max(1, n - 7)
+    out = poison_(torch.empty(m, rows, dtype=torch.float32, device="cuda"))
+    assert torch.equal(ops.w4a16_gemv(x, qt, out_dtype=torch.float32, n_rows=rows, out=out),
+                       ops.w4a16_gemv(x, q, out_dtype=torch.float32, n_rows=rows))
+    q2 = random_weight(max(1, n // 3), k, key=("tiled2", n, k), device="cuda")
+    ref = ops.w4a16_gemv_dual(x, q, q2)
+    for a, b in ((qt, _tiled(q2)), (qt, q2), (q, _tiled(q2))):
+        got = ops.w4a16_gemv_dual(x, a, b)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    g = random_x(m, k, key=("tiled_g", n), device="cuda")
+    assert torch.equal(ops.w4a16_gemv_silu(g, x, qt), ops.w4a16_gemv_silu(g, x, q))
+    assert torch.equal(ops.w4a16_gemv_gated(x, g, qt), ops.w4a16_gemv_gated(x, g, q))
+    _check(ops.w4a16_gemv(x, qt, out_dtype=torch.float32), x, q, torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 4])
+def test_tiled_layout_qg_bitwise(m):
+    """q+gate de-interleave on the store, single and dual, from the tiled layout."""
+    nq, hd, k = 4, 64, 1024
+    q, x = _cuda_case(2 * nq * hd, k, m, key="tiled_qg")
+    kv = random_weight(2 * hd, k, key="tiled_kv", device="cuda")
+    qt, kvt = _tiled(q), _tiled(kv)
+    assert torch.equal(ops.w4a16_gemv_qg(x, qt, nq, hd), ops.w4a16_gemv_qg(x, q, nq, hd))
+    got, want = ops.w4a16_gemv_dual(x, qt, kvt, qg_head_dim=hd), ops.w4a16_gemv_dual(x, q, kv, qg_head_dim=hd)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

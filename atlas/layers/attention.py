@@ -124,7 +124,7 @@ class Qwen3AttentionLayer:
         if self.kv_fused:   # one [2·nkv·hd, h] NVFP4 weight (a copy of 2·nkv·hd·h·9/16 bytes)
             kw, vw = k_proj.weight, v_proj.weight
             self.kv_weight = NVFP4Weight(torch.cat([kw.packed, vw.packed]),
-                                         torch.cat([kw.block_scale, vw.block_scale]), kw.global_scale)
+                                         torch.cat([kw.block_scale, vw.block_scale]), kw.global_scale).prepare_gemv()
         self.norm_kwargs = dict(eps=float(cfg.rms_norm_eps), zero_centered=bool(cfg.zero_centered_norm),
                                 rotary_dim=int(cfg.rotary_dim), rope_theta=float(cfg.rope_theta))
         self.softmax_scale = float(cfg.softmax_scale)

@@ -78,6 +78,8 @@ class MtpHead:
         self.cfg = cfg
         self.hidden_size = cfg.hidden_size
         self.embed_tokens, self.lm_head = embed_tokens, lm_head
+        if isinstance(lm_head, NVFP4Weight):
+            lm_head.prepare_gemv()       # the shared head's tiled GEMV layout (derived once, kept on it)
         self.vocab = mtp_vocab_size if mtp_vocab_size > 0 else lm_head.shape[0]
         self.fc, self.attn, self.ffn = fc, attn, ffn
         self.norm_embedding, self.norm_hidden, self.norm = norm_embedding, norm_hidden, norm
