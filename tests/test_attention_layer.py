@@ -225,7 +225,7 @@ def test_cuda_gated_o_proj_bitwise_vs_unfused(monkeypatch, model, schedule):
     monkeypatch.setattr(ops, "w4a16_gemv_gated", counted)
     hidden, got = run_schedule(attn, cfg, schedule, kv_dtype=torch.bfloat16, device="cuda", block_size=16,
                                g=_gen("gated_bitwise_x", model, repr(schedule)))
-    assert calls["gated"] == sum(-(-sum(step.values()) // linear.GEMV_MAX_ROWS) for step in schedule)
+    assert calls["gated"] == sum(attn._fuse_gate(sum(step.values())) for step in schedule)
     monkeypatch.setattr(ops, "w4a16_gemv_gated", unfused)
     _, want = run_schedule(attn, cfg, schedule, kv_dtype=torch.bfloat16, device="cuda", block_size=16,
                            g=_gen("gated_bitwise_x", model, repr(schedule)))
@@ -278,11 +278,13 @@ def test_cuda_graph_decode_equals_eager(query_len, kv_dtype):
     ("qwen3_next", "modelopt_nvfp4", {"dual": 1, "gemv": 1, "gated": 1}),  # q|g+k, v, gate·o_proj
     ("qwen3", "bf16", {"dual": 1, "gemv": 1, "gated": 0}),                 # q+kv, o_proj
 ])
-def test_decode_projection_launches(monkeypatch, model, dialect, launches):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_decode_projection_launches(monkeypatch, model, dialect, launches, rows):
     """A decode step reads q_proj, k_proj and v_proj in one GEMV launch when K and V share a
     global scale (else q+k and v), and o_proj in one more, with the output gate applied on its
-    load (gated models: no sigmoid_gate_mul launch). The stand-ins run the reference, so the
-    output is also checked against the unpatched layer's."""
+    load where that measured faster (gated models, 1-row steps with o_proj K ≤ 4096: no
+    sigmoid_gate_mul launch; else sigmoid_gate_mul + the plain GEMV). The stand-ins run the
+    reference, so the output is also checked against the unpatched layer's."""
     from atlas import ops, reference as ref
     calls = {"dual": 0, "gemv": 0, "gated": 0, "sigmoid_gate_mul": 0}
     real = {name: getattr(ops, name) for name in ("w4a16_gemv_dual", "w4a16_gemv_gated", "sigmoid_gate_mul")}
@@ -306,14 +308,17 @@ def test_decode_projection_launches(monkeypatch, model, dialect, launches):
     cfg = TINY[model]
     attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, dialect, "", _gen("launch", dialect)),
                                                "", "nvfp4", "cpu")
-    x = torch.randn(2, cfg.hidden_size, generator=_gen("launch_x", model)).to(torch.bfloat16)
+    x = torch.randn(rows, cfg.hidden_size, generator=_gen("launch_x", model)).to(torch.bfloat16)
     caches = [PagedKvCache(cfg, 1, 8, device="cpu") for _ in range(2)]
-    want = attn(x, caches[0].plan({"a": 1, "b": 1}), caches[0])
+    step = {"a": 1, "b": 1} if rows == 2 else {"a": 1}
+    want = attn(x, caches[0].plan(step), caches[0])
     for name, fn in (("w4a16_gemv", gemv), ("w4a16_gemv_dual", dual), ("w4a16_gemv_gated", gated),
                      ("sigmoid_gate_mul", sigmoid_gate_mul)):
         monkeypatch.setattr(ops, name, fn)
-    got = attn(x, caches[1].plan({"a": 1, "b": 1}), caches[1])
-    assert calls == dict(launches, sigmoid_gate_mul=0)
+    got = attn(x, caches[1].plan(step), caches[1])
+    if launches["gated"] and not attn._fuse_gate(rows):     # the gate as its own launch
+        launches = dict(launches, gated=0, gemv=launches["gemv"] + 1, sigmoid_gate_mul=1)
+    assert calls == dict(launches, sigmoid_gate_mul=launches.get("sigmoid_gate_mul", 0))
     assert torch.equal(got, want)
 
 

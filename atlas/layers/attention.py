@@ -23,8 +23,9 @@ per 32 rows, see atlas.linear), all graph-capturable:
     2. qk_norm_rope     q/k norms + RoPE + K/V cache write, one bf16 rounding (csrc/qk_norm_rope.cu)
     3. paged_decode     per run of consecutive sequences with the same query_len ≤ 8 (+ its
                         split-K combine)
-    4. w4a16_gemv_gated o_proj of bf16(o · sigmoid(G)), the gate applied as o is loaded (gated;
-                        bitwise sigmoid_gate_mul + w4a16_gemv, one launch fewer), or
+    4. w4a16_gemv_gated o_proj of bf16(o · sigmoid(G)), the gate applied as o is loaded (gated,
+                        1-row steps with o_proj K ≤ 4096, where it measured faster; bitwise
+                        sigmoid_gate_mul + w4a16_gemv, one launch fewer; else those two), or
        w4a16_gemv       o_proj (plain Qwen3)
 Prefill chunks (query_len > 8) run the projections like any other rows (GEMV chunks up to 128
 rows in the step, beyond that GEMMs: cuBLAS over the on-the-fly BF16 dequantization, see
@@ -52,6 +53,8 @@ from atlas._validate import check_tensor
 from atlas.config import ModelConfig
 from atlas.kv_cache import AttentionMetadata, PagedKvCache
 from atlas.linear import GEMV_CHUNKED_MAX_ROWS, Linear, gemv, gemv_dual, gemv_gated, load_linears
+
+GATED_FUSE_MAX_K = 4096   # o_proj K up to which a 1-row step fuses the gate (see _fuse_gate)
 from atlas.nvfp4 import NVFP4Weight
 
 MAX_DECODE_QUERY_LEN = 8      # paged_decode serves query_len ≤ 8 (decode and verify groups)
@@ -209,9 +212,20 @@ class Qwen3AttentionLayer:
         o = self._attend(q, meta, k_cache, v_cache, k_scale, v_scale)              # [T, nq, hd]
         if gate is None:
             return self.o_proj(o.view(t, self.nq * self.hd))
-        if self._gemv_rows(t):                    # gate [T, nq·hd] (the G half): fused into o_proj
+        if self._gemv_rows(t) and self._fuse_gate(t):   # gate [T, nq·hd] (the G half): fused into o_proj
             return gemv_gated(o.view(t, self.nq * self.hd), gate, self.o_proj.weight)
+        if self._gemv_rows(t):                           # the G half as [T, nq, hd] (row stride 2·nq·hd)
+            gate = gate.view(t, self.nq, self.hd)
         return self.o_proj(ops.sigmoid_gate_mul(o, gate).view(t, self.nq * self.hd))   # gate [T, nq, hd]
+
+    def _fuse_gate(self, t: int) -> bool:
+        """Whether o_proj takes the gate on its load (w4a16_gemv_gated) for a T-row GEMV step.
+        Measured on the H200 (bench/results/gemv_variants.md): the fused form wins only at T = 1
+        with o_proj's K ≤ 4096 (35B-A3B 2048×4096: 6.45 vs 7.59 µs for sigmoid_gate_mul + the
+        plain GEMV); it loses at K = 6144 (27B: 16.9 vs 14.0) and at T = 8 (13.2 vs 7.9): every
+        CTA recomputes the sigmoid of its chunks, a latency chain per chunk that the saved launch
+        (≈ 1.7 µs) does not cover once a CTA's K range or the row count grows."""
+        return t == 1 and self.nq * self.hd <= GATED_FUSE_MAX_K
 
     def write_kv(self, hidden: Tensor, meta: AttentionMetadata, cache: PagedKvCache, layer: int = 0) -> None:
         """The K/V half of __call__: writes the rows' normed, rotated K and V into the cache,
