@@ -245,12 +245,7 @@ def w4a16_gemv_silu(gate: Tensor, up: Tensor, q) -> Tensor:
         >>> w4a16_gemv_silu(g, u, q).shape
         torch.Size([2, 8])
     """
-    op = "w4a16_gemv_silu"
-    n, k = _check_gemv_weight(op, "q", q)
-    m = _check_gemv_x(op, "gate", gate, k, q.device)
-    _check_gemv_x(op, "up", up, k, q.device)
-    if up.shape[0] != m:
-        raise ValueError(f"{op}: up must have the shape of gate {list(gate.shape)}, got {list(up.shape)}")
+    _check_gemv_pair("w4a16_gemv_silu", ("gate", gate), ("up", up), q)
     if use_kernel(gate, up, q.packed):
         return torch.ops.atlas.w4a16_gemv_silu(gate, up, *q.gemv_operands(), q.global_scale)
     return reference.w4a16_gemv(reference.silu_mul(gate, up), q.packed, q.block_scale, q.global_scale)
@@ -283,15 +278,22 @@ def w4a16_gemv_gated(x: Tensor, gate: Tensor, q) -> Tensor:
         >>> w4a16_gemv_gated(x, g, q).shape
         torch.Size([2, 8])
     """
-    op = "w4a16_gemv_gated"
-    n, k = _check_gemv_weight(op, "q", q)
-    m = _check_gemv_x(op, "x", x, k, q.device)
-    _check_gemv_x(op, "gate", gate, k, q.device)
-    if gate.shape[0] != m:
-        raise ValueError(f"{op}: gate must have the shape of x {list(x.shape)}, got {list(gate.shape)}")
+    _check_gemv_pair("w4a16_gemv_gated", ("x", x), ("gate", gate), q)
     if use_kernel(x, gate, q.packed):
         return torch.ops.atlas.w4a16_gemv_gated(x, gate, *q.gemv_operands(), q.global_scale)
     return reference.w4a16_gemv(reference.sigmoid_gate_mul(x, gate), q.packed, q.block_scale, q.global_scale)
+
+
+def _check_gemv_pair(op: str, first: tuple[str, Tensor], second: tuple[str, Tensor], q) -> None:
+    """The two activation operands of a fused-input GEMV (silu's gate / up, gated's x / gate):
+    each a valid [M, K] GEMV input for q, the second with the first's row count."""
+    (name1, a), (name2, b) = first, second
+    _, k = _check_gemv_weight(op, "q", q)
+    m = _check_gemv_x(op, name1, a, k, q.device)
+    _check_gemv_x(op, name2, b, k, q.device)
+    if b.shape[0] != m:
+        raise ValueError(f"{op}: {name2} must have the shape of {name1} {list(a.shape)}, got {list(b.shape)}")
+
 
 def _gemv_weight_ready(packed: Tensor) -> Tensor:
     # NVFP4Weight rows start 8-byte aligned (K/2 is a multiple of 8); anything else is copied.
