@@ -135,13 +135,6 @@ struct SplitPlan {
   int num_segs;       // w4a16_gemv_k_splits(K)
 };
 
-// Activation unit u = 4t + w of row r (k = 8u .. 8u+8 of the chunk) lives at this 16-byte slot.
-// A quarter-warp (rows g, g+1; t = 0..3) reading word w then hits 8 distinct 4-bank groups.
-__host__ __device__ inline int x_slot(int r, int u) {
-  const int t = u >> 2, w = u & 3;
-  return 4 * t + (((w + 2 * (t >> 1)) & 3) ^ (r & 1));
-}
-
 // The fused activation of one element in f32 (rounded once to bf16 by the caller), written
 // exactly as the unfused kernels write it so the composition is bitwise the same:
 // silu(x)·x2 as reference.silu_mul (w4a16_gemv_silu), x·sigmoid(x2) as csrc/sigmoid_gate.cu
@@ -286,7 +279,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   static_assert(kXUnits == 16, "tid >> 4 is tid / kXUnits");
   const int x_u = tid & (kXUnits - 1), x_r0 = tid >> 4, x_rstep = nthreads >> 4;
   const int x_dst0 = kRaw ? lay.a_off + x_r0 * kXRowBytes + x_u * 16
-                          : lay.x_off + x_r0 * kXRowBytes + x_slot(x_r0, x_u) * 16;
+                          : lay.x_off + x_r0 * kXRowBytes + bf16_unit_slot(x_r0, x_u) * 16;
   const int64_t x_src_step = static_cast<int64_t>(x_rstep) * K;                 // elements
   const int64_t x_src0 = static_cast<int64_t>(x_r0) * K + 8 * x_u;             // chunk 0, row x_r0
   auto issue_acts = [&](int st_off, int c) {
@@ -332,13 +325,13 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
         const __nv_bfloat16* bp = reinterpret_cast<const __nv_bfloat16*>(st + lay.b_off + r * kXRowBytes + u * 16);
         const float lo = activation_f32<kAct>(__bfloat162float(ap[j]), __bfloat162float(bp[j]));
         const float hi = activation_f32<kAct>(__bfloat162float(ap[j + 4]), __bfloat162float(bp[j + 4]));
-        *reinterpret_cast<__nv_bfloat162*>(st + lay.x_off + r * kXRowBytes + x_slot(r, u) * 16 + 4 * j) =
+        *reinterpret_cast<__nv_bfloat162*>(st + lay.x_off + r * kXRowBytes + bf16_unit_slot(r, u) * 16 + 4 * j) =
             __floats2bfloat162_rn(lo, hi);
       }
     } else {
       for (int i = cv_first; i < M * kXUnits; i += nthreads) {
         const int r = i >> 4, u = i & (kXUnits - 1);
-        uint4* unit = reinterpret_cast<uint4*>(st + lay.x_off + r * kXRowBytes + x_slot(r, u) * 16);
+        uint4* unit = reinterpret_cast<uint4*>(st + lay.x_off + r * kXRowBytes + bf16_unit_slot(r, u) * 16);
         const uint4 a = *unit;
         *unit = make_uint4(prmt(a.x, a.z, 0x5410), prmt(a.x, a.z, 0x7632),
                            prmt(a.y, a.w, 0x5410), prmt(a.y, a.w, 0x7632));
@@ -377,7 +370,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int lane_s = lay.s_off + (warp * kTileN + g) * kScaleBytes + 2 * t;
   int lane_x[4];
 #pragma unroll
-  for (int w = 0; w < 4; ++w) lane_x[w] = lay.x_off + g * kXRowBytes + x_slot(g, 4 * t + w) * 16;
+  for (int w = 0; w < 4; ++w) lane_x[w] = lay.x_off + g * kXRowBytes + bf16_unit_slot(g, 4 * t + w) * 16;
 
   // One chunk on the tensor cores: 4 words × 2 mma steps × MT tiles.
   auto compute_stage = [&](int st_off) {
