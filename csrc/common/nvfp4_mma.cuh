@@ -69,7 +69,7 @@ __device__ __forceinline__ __nv_bfloat162 bits_bf162(uint32_t v) {
 
 // Swizzled 16-byte slot of unit u (bf16 k = 8u .. 8u+7 of a 128-k chunk) in a 256-byte smem
 // row r: lane (g, t) of an m16n8k16 fragment load reads unit 4t + w of rows g (and g + 8), and a
-// quarter-warp (rows g, g+1 × t = 0..3) then hits 8 distinct 16-byte bank groups. The same map
+// quarter-warp (rows g, g+1 × t = 0..3) then hits 8 distinct 16-byte bank groups.
 // w4a16_gemv uses it for activation rows; moe_experts for activation rows and BF16 weight rows.
 __host__ __device__ inline int bf16_unit_slot(int r, int u) {
   const int t = u >> 2, w = u & 3;
