@@ -39,6 +39,8 @@ from atlas.fp8 import FP8_BLOCK
 from atlas.linear import GEMV_MAX_ROWS, Linear, convert_weight, load_linears, load_weight
 from atlas.reference import e2m1_lut
 
+SILU_FUSE_MAX_K = 4096   # down-projection K up to which a multi-row step fuses silu·up (_fuse_silu)
+
 
 def _need(sd: Mapping[str, Tensor], key: str) -> Tensor:
     if key not in sd:
@@ -74,8 +76,9 @@ class DenseMLP:
     def __init__(self, gate_proj, up_proj, down_proj):
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         # NVFP4 decode/verify rows: gate+up in one w4a16_gemv_dual launch and silu·up fused into
-        # the down GEMV's load (w4a16_gemv_silu): 2 launches instead of 3 GEMVs + 5 elementwise
-        # kernels, bitwise equal to the unfused composition (the ops' contract).
+        # the down GEMV's load (w4a16_gemv_silu) where that measured faster (_fuse_silu): 2
+        # launches instead of 3 GEMVs + 5 elementwise kernels, bitwise equal to the unfused
+        # composition (the ops' contract).
         self.fused = all(getattr(p, "weight_format", None) == "nvfp4" for p in (gate_proj, up_proj, down_proj))
 
     @classmethod
@@ -93,8 +96,18 @@ class DenseMLP:
     def __call__(self, x: Tensor) -> Tensor:
         if self.fused and x.shape[0] <= GEMV_MAX_ROWS:
             g, u = ops.w4a16_gemv_dual(x, self.gate_proj.weight, self.up_proj.weight)
-            return ops.w4a16_gemv_silu(g, u, self.down_proj.weight)
+            if self._fuse_silu(x.shape[0]):
+                return ops.w4a16_gemv_silu(g, u, self.down_proj.weight)
+            return ops.w4a16_gemv(silu_mul(g, u), self.down_proj.weight)     # the same bits
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+    def _fuse_silu(self, t: int) -> bool:
+        """Whether down takes silu(g)·u on its load (w4a16_gemv_silu) for a T-row step. Measured
+        on the H200 (bench/results/gemv_variants.md, 27B down 5120×17408): fused 34.5 vs 44.2 µs
+        unfused at T = 1, but 58.4 vs 46.3 at T = 8 — every CTA recomputes silu over its K range
+        one stage ahead, a latency chain that grows with the rows. Kept fused for T > 1 only where
+        down's K ≤ 4096 (e.g. the 35B-A3B shared expert, K = 512; not measured there)."""
+        return t == 1 or self.down_proj.in_features <= SILU_FUSE_MAX_K
 
 
 def _nbytes(p) -> int:
