@@ -247,6 +247,13 @@ __device__ __forceinline__ void fold_coeffs(Fold& f, float lam, float& a, float&
 __device__ __forceinline__ float fold_elem(float acc, float a, float o, float c) {
   return __fmaf_rn(acc, a, __fmul_rn(o, c));
 }
+// fold_elem over a 4-wide column slice (the flat combine's float4 of one partial).
+__device__ __forceinline__ void fold_elem4(float (&acc)[4], float a, const float4& o, float c) {
+  acc[0] = fold_elem(acc[0], a, o.x, c);
+  acc[1] = fold_elem(acc[1], a, o.y, c);
+  acc[2] = fold_elem(acc[2], a, o.z, c);
+  acc[3] = fold_elem(acc[3], a, o.w, c);
+}
 __device__ __forceinline__ void fold_result(const Fold& f, float& lam, float& inv) {
   lam = f.L > 0.f ? __fadd_rn(f.m, __log2f(f.L)) : -INFINITY;
   inv = f.L > 0.f ? __fdiv_rn(1.f, f.L) : 0.f;
@@ -932,10 +939,7 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
       if (gi < groups) {
         float ca, cc;
         fold_coeffs(top, lam[gi], ca, cc);
-        acc[0] = fold_elem(acc[0], ca, o[gi].x, cc);
-        acc[1] = fold_elem(acc[1], ca, o[gi].y, cc);
-        acc[2] = fold_elem(acc[2], ca, o[gi].z, cc);
-        acc[3] = fold_elem(acc[3], ca, o[gi].w, cc);
+        fold_elem4(acc, ca, o[gi], cc);
       }
     }
   } else {
@@ -954,10 +958,7 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
         if (k < n) {
           float ca, cc;
           fold_coeffs(f, lam[k], ca, cc);
-          og[0] = fold_elem(og[0], ca, o[k].x, cc);
-          og[1] = fold_elem(og[1], ca, o[k].y, cc);
-          og[2] = fold_elem(og[2], ca, o[k].z, cc);
-          og[3] = fold_elem(og[3], ca, o[k].w, cc);
+          fold_elem4(og, ca, o[k], cc);
         }
       }
       float lam_g, inv_g;
