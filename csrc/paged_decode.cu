@@ -452,15 +452,18 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   // -- running state ---------------------------------------------------------------------------
   float o_acc[M_TILES][2 * Tr::kVUnits][4];   // O rows × this warp's columns (scaled, unnormalized)
   float m_run[M_TILES][2], l_run[M_TILES][2]; // running max (log2 units) and this thread's Σp
+  auto reset_running = [&]() {                // at the start and after each split of a fused group
 #pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt) {
+    for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
-    for (int n = 0; n < 2 * Tr::kVUnits; ++n)
+      for (int n = 0; n < 2 * Tr::kVUnits; ++n)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) o_acc[mt][n][i] = 0.f;
-    m_run[mt][0] = m_run[mt][1] = -INFINITY;
-    l_run[mt][0] = l_run[mt][1] = 0.f;
-  }
+        for (int i = 0; i < 4; ++i) o_acc[mt][n][i] = 0.f;
+      m_run[mt][0] = m_run[mt][1] = -INFINITY;
+      l_run[mt][0] = l_run[mt][1] = 0.f;
+    }
+  };
+  reset_running();
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -550,15 +553,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
             }
         }
       }
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-      for (int n = 0; n < 2 * Tr::kVUnits; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o_acc[mt][n][i] = 0.f;
-      m_run[mt][0] = m_run[mt][1] = -INFINITY;
-      l_run[mt][0] = l_run[mt][1] = 0.f;
-    }
+    reset_running();
   };
 
   for (int tile = 0; tile < n_tiles; ++tile) {
