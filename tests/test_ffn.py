@@ -57,6 +57,31 @@ def _store(sd, prefix, w: torch.Tensor, dialect: str):
 
 
 # ---- dense MLP ------------------------------------------------------------------------------
+@pytest.mark.parametrize("inter,t,fused", [(96, 1, True), (96, 5, True), (4352, 1, True), (4352, 2, False)])
+def test_dense_mlp_silu_fusion_rule(monkeypatch, inter, t, fused):
+    """NVFP4 GEMV steps fuse silu·up into down (w4a16_gemv_silu) at T = 1 or down K ≤ 4096, and
+    otherwise run silu_mul + the plain GEMV (measured faster there); the output is the same."""
+    from atlas import ops
+    g = _gen("silu_rule", inter, t)
+    h = 64
+    sd = {}
+    for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+        _store(sd, f"mlp.{name}.", _rand(g, *shape, scale=0.1), "bf16")
+    mlp = DenseMLP.from_state_dict(sd, "mlp.", "nvfp4", "cpu")
+    x = _rand(g, t, h, scale=3.0)
+    want = mlp.down_proj(atlas.layers.ffn.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    calls = {"silu": 0}
+    real = ops.w4a16_gemv_silu
+
+    def counted(gate, up, q):
+        calls["silu"] += 1
+        return real(gate, up, q)
+
+    monkeypatch.setattr(ops, "w4a16_gemv_silu", counted)
+    assert torch.equal(mlp(x), want)
+    assert calls["silu"] == int(fused) and mlp._fuse_silu(t) == fused
+
+
 
 @pytest.mark.parametrize("weight_format", FORMATS)
 @pytest.mark.parametrize("dialect", ["bf16", "modelopt", "compressed_tensors", "fp8"])
