@@ -57,6 +57,7 @@ def _store(sd, prefix, w: torch.Tensor, dialect: str):
 
 
 # ---- dense MLP ------------------------------------------------------------------------------
+
 @pytest.mark.parametrize("inter,t,fused", [(96, 1, True), (96, 5, True), (4352, 1, True), (4352, 2, False)])
 def test_dense_mlp_silu_fusion_rule(monkeypatch, inter, t, fused):
     """NVFP4 GEMV steps fuse silu·up into down (w4a16_gemv_silu) at T = 1 or down K ≤ 4096, and
