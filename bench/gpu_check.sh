@@ -2,7 +2,7 @@
 # One command for a fresh GPU machine: build the extension, run the CUDA tests (also once under
 # compute-sanitizer memcheck), run the benches, and print a short table last.
 #
-#   bench/gpu_check.sh [stages...]     stages: build info test memcheck ctest bench bench-quick peers
+#   bench/gpu_check.sh [stages...]     stages: build info test memcheck ctest bench bench-quick peers ncu
 #   default: build info test memcheck bench
 #
 # Logs and bench/results go to $OUT (the device tool's return folder) when set, else /tmp/atlas_gpu.
@@ -60,6 +60,12 @@ if has ctest; then
     run_stage "rc:$(basename "$t" | sed 's/test_//')" "rc_$(basename "$t").log" compute-sanitizer --tool racecheck --error-exitcode 1 "$t"
   done
   cat "$OUT"/mc_*.log "$OUT"/rc_*.log > "$OUT/sanitizer_drivers.log" 2>/dev/null; rm -f "$OUT"/mc_*.log "$OUT"/rc_*.log
+fi
+if has ncu; then
+  # Nsight Compute on the key shapes (one cold call each, bench/ncu_targets.py), csv to $OUT/ncu.csv.
+  run_stage ncu ncu.log bash -c "ncu --profile-from-start off --clock-control none --cache-control all --csv \
+    --metrics $(tr -d '\n' < bench/ncu_metrics.txt) python3 bench/ncu_targets.py gemv:248320x5120 \
+    gemv:14336x5120 gemv:5120x6144 gemv:2048x512 paged:1x32768:16/2:bf16 paged:128x8192:16/2:bf16 > $OUT/ncu.csv"
 fi
 if has bench || has bench-quick; then
   q=""; has bench-quick && q="--quick"
