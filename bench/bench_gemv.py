@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 import atlas  # noqa: E402
 from atlas import ops  # noqa: E402
 from atlas.nvfp4 import NVFP4Weight  # noqa: E402
-from common import (RESULTS_DIR, Rotator, copy_bandwidth_gbs, floor_us, require_cuda,  # noqa: E402
+from common import (RESULTS_DIR, Rotator, copy_bandwidth_gbs, floor_us, require_kernels,  # noqa: E402
                     time_cuda_graph, write_results)
 
 SHAPES = [  # (model, what, N, K)
@@ -176,10 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 shapes, M = 1 and 8, no variants")
     args = parser.parse_args()
-    require_cuda("bench_gemv")
-    if not atlas.kernels_available():
-        print("bench_gemv: atlas._C not built; nothing to measure", file=sys.stderr)
-        sys.exit(0)
+    require_kernels("bench_gemv")
     shapes = [s for s in SHAPES if (s[0], s[1]) in QUICK] if args.quick else SHAPES
     rows_m = [1, 8] if args.quick else ROWS_M
     iters = 5 if args.quick else 20

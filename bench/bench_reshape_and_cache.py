@@ -23,9 +23,8 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import torch  # noqa: E402
 
-import atlas  # noqa: E402
 from atlas import ops  # noqa: E402
-from common import (Rotator, copy_bandwidth_gbs, floor_us, require_cuda, rotation_count,  # noqa: E402
+from common import (Rotator, copy_bandwidth_gbs, floor_us, require_kernels, rotation_count,  # noqa: E402
                     time_cuda_graph, write_results)
 
 MODELS = [("Qwen3-Next/3.5 nkv2", 16, 2, 256), ("Qwen3.5-27B nkv4", 24, 4, 256)]  # (name, nq, nkv, hd)
@@ -87,10 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T ∈ {1, 4096} only, fewer replays")
     args = parser.parse_args()
-    require_cuda("bench_reshape_and_cache")
-    if not atlas.kernels_available():
-        print("bench_reshape_and_cache: atlas._C not built; nothing to measure", file=sys.stderr)
-        sys.exit(0)
+    require_kernels("bench_reshape_and_cache")
     tokens = [1, 4096] if args.quick else TOKENS
     iters = 5 if args.quick else 20
     bw = copy_bandwidth_gbs()

@@ -142,3 +142,12 @@ def require_cuda(script: str) -> None:
     if not torch.cuda.is_available():
         print(f"{script}: needs a CUDA GPU; nothing to measure here", file=sys.stderr)
         sys.exit(0)
+
+
+def require_kernels(script: str) -> None:
+    """require_cuda, and the atlas._C extension built (else exit 0 with a message)."""
+    require_cuda(script)
+    import atlas
+    if not atlas.kernels_available():
+        print(f"{script}: atlas._C not built; nothing to measure", file=sys.stderr)
+        sys.exit(0)

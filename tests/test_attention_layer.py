@@ -322,6 +322,18 @@ def test_decode_projection_launches(monkeypatch, model, dialect, launches, rows)
     assert torch.equal(got, want)
 
 
+def _assert_write_kv_equals_forward(attn, cfg, x, caches):
+    """A forward over x into caches[0] and write_kv over x into caches[1] leave the same cache
+    bytes (K/V and FP8 scales)."""
+    t = x.shape[0]
+    attn(x, caches[0].plan({"a": t}), caches[0])
+    attn.write_kv(x, caches[1].plan({"a": t}), caches[1])
+    for a, b in zip(caches[0].layer(0), caches[1].layer(0)):
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else \
+                torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
 @pytest.mark.parametrize("dialect,weight_format", [("bf16", "nvfp4"), ("modelopt_nvfp4", "nvfp4"), ("bf16", "bf16")])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("t", [3, 40])
@@ -330,13 +342,8 @@ def test_write_kv_equals_forward_kv(dialect, weight_format, kv_dtype, t):
     g = _gen("write_kv", dialect, weight_format, str(kv_dtype), t)
     attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, dialect, "", g), "", weight_format, "cpu")
     x = torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16)
-    caches = [PagedKvCache(cfg, 1, 16, kv_dtype, "cpu", block_size=4) for _ in range(2)]
-    attn(x, caches[0].plan({"a": t}), caches[0])
-    attn.write_kv(x, caches[1].plan({"a": t}), caches[1])
-    for a, b in zip(caches[0].layer(0), caches[1].layer(0)):
-        if a is not None:
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else \
-                torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    _assert_write_kv_equals_forward(attn, cfg, x, [PagedKvCache(cfg, 1, 16, kv_dtype, "cpu", block_size=4)
+                                                   for _ in range(2)])
 
 
 @pytest.mark.cuda
@@ -349,13 +356,7 @@ def test_cuda_write_kv_equals_forward_kv(dialect, kv_dtype, t):
     g = _gen("cuda_write_kv", dialect, str(kv_dtype), t)
     attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, dialect, "", g, "cuda"), "", "nvfp4", "cuda")
     x = torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
-    caches = [PagedKvCache(cfg, 1, 16, kv_dtype, "cuda") for _ in range(2)]
-    attn(x, caches[0].plan({"a": t}), caches[0])
-    attn.write_kv(x, caches[1].plan({"a": t}), caches[1])
-    for a, b in zip(caches[0].layer(0), caches[1].layer(0)):
-        if a is not None:
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else \
-                torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    _assert_write_kv_equals_forward(attn, cfg, x, [PagedKvCache(cfg, 1, 16, kv_dtype, "cuda") for _ in range(2)])
 
 
 @pytest.mark.cuda
