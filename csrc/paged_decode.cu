@@ -51,8 +51,9 @@
 //   _rn intrinsics (see Fold). Combine (second kernel, programmatic dependent launch, only when
 //   some sequence can leave partials): fused mode and tables of ≤ 16 splits, the flat kernel
 //   (a thread per 4 elements of a (sequence, kv head) block, no smem, v3); longer split-mode
-//   tables, the staged kernel (one CTA per (sequence, kv head, row, 64 columns) stages all
-//   partials in smem, then folds). Single-split sequences are written directly.
+//   tables, the grouped kernel (v4: one CTA per 32 elements of a (sequence, kv head) block,
+//   a thread per (split group, 4 elements) folds level 1 in registers with all loads in
+//   flight, one barrier, then level 2). Single-split sequences are written directly.
 //
 // Shared memory (hd 256, bf16, M_TILES 1): 3 stages × (K + V) 32 KB + Q 8.4 KB + P 1.3 KB
 //   ≈ 107 KB → 2 CTAs per SM (v2: 190 registers). FP8 tiles are half as big (4 stages, 64 KB,
@@ -94,6 +95,12 @@
 //       sequences split into 128-position splits (≤ 16 of them: L ≤ 4K, see paged_decode.h), so
 //       a short sequence's chain is 4 tiles instead of 8. Changes the bits of L ≤ 4K
 //       sequences vs v2 (still a function of L alone: batch invariance holds).
+//   v4  The staged combine of long split-mode tables (B = 1 × 32K: ~7 µs of 33.1) is replaced
+//       by the grouped kernel (see paged_decode_combine_groups_kernel): all partial loads of a
+//       CTA in flight at once, level 1 folded in registers by a thread per (group, 4
+//       elements), one barrier, level 2 from smem: register chains of 8 + 16 steps instead of
+//       ~3500 clk of smem-dependent serial phases, and CTAs small enough (128 threads, 2 KB
+//       smem) to become resident beside the attention CTAs under PDL. Same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -769,111 +776,116 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   }
 }
 
-// ---- split combine --------------------------------------------------------------------------
-// Grid (nkv · rows_total · hd/64, B), 8 warps: one CTA per (sequence, kv head, row, 64-column
-// slice) of a sequence the attention kernel left in partials. All warps first stage the row's
-// partials for the slice in smem (≤ 128 × 256 B, every load in flight at once); thread gi runs
-// the canonical fold's per-row recurrence of group gi (λ → a, c, 1/L: ≤ 8 dependent steps),
-// thread 0 the one over the ≤ 16 groups; 4 threads per column fold its groups (level 1),
-// then thread c < 64 folds column c over the groups (level 2). Split mode: level 1 over each group's splits, then level 2;
-// fused mode: the partials already are group results, level 2 only. Launched with programmatic
-// dependent launch: its CTAs become resident while the attention grid drains and wait
-// (griddepcontrol.wait) for its memory, which hides the kernel-to-kernel gap.
-// A first version (one CTA of 64 threads per row, one column each, splits in a serial loop of
-// global loads) kept ~1 load in flight per thread: ~128 dependent L2 round trips.
-constexpr int kCombineWarps = 8;
-constexpr int kCombineCols = 64;                                       // columns per CTA
+// ---- grouped combine (v4): long split-mode tables ---------------------------------------------
+// Grid (rows_total · hd / kGcCols, nkv, B), max(groups_max · kGcLanes, kGcCols) threads
+// (groups_max = ceil(max_splits / kSplitGroup) ∈ [3, 16]). The CTA owns kGcCols = 32
+// consecutive elements of the flattened [rows_total, hd] block of one (sequence, kv head) —
+// one row's columns, as 32 divides hd — and thread (gi = tid / kGcLanes, lane = tid %
+// kGcLanes) owns split group gi of its 4 elements 4·lane ..+3:
+//   level 1  every thread issues its group's ≤ 8 (λ, float4) loads at once — so every partial
+//            the CTA needs is in flight together, one round trip — folds them in registers in
+//            split order (fold_coeffs / fold_elem4), and leaves o_g = acc · (1/L_g) in smem,
+//            λ_g too (lane 0). One barrier.
+//   level 2  threads tid < kGcCols fold element tid over the ≤ 16 groups in order, each
+//            redoing the row's 16-step λ recurrence on the smem λ_g (no second barrier).
+// Same operations in the same order per element as the flat kernel and the fused mode, so the
+// same bits (test_kernel_batch_invariant: a fused batch through the flat kernel vs the
+// sequence alone through this one).
+// Why (v4): v3's staged kernel (one 256-thread CTA per (sequence, kv head, row, 64 columns),
+// all ≤ 128 slots staged in smem, then 3 barrier-separated serial phases: thread gi's 8-step
+// λ recurrence, thread 0's 16-step one, 4 threads per column folding 4 groups × 8 splits, then
+// 16 more steps — every step a dependent smem load: ~3500 clk of chains after the load round
+// trip) cost ~7 µs of B = 1 × 32K's 33.1 (ncu: 8.1 µs cold). Here the only dependent chains are
+// the register folds (8 + 16 steps of fmax, ex2, FMA: ~1000 clk in all, every smem operand
+// loaded before the level-2 chain starts). And the CTAs are small (128 threads, 2.1 KB smem,
+// 48 registers), so beside two bf16 attention CTAs per SM (217 KB smem, 48K registers) they
+// fit and launch under the attention grid (PDL) instead of after it.
+// The alternative weighed: level 1 folded inside the attention kernel by the last CTA of each
+// 8-split group to finish (arrival counter + threadfence): at B = 1 the grid is one wave that
+// finishes together, so that fold sits on the critical path behind a fence, an atomic and a
+// load round trip (≥ 3 round trips before the combine's own one), and it needs persistent,
+// self-resetting counters that concurrent streams would share.
+constexpr int kGcLanes = 8;                                     // threads per split group
+constexpr int kGcCols = 4 * kGcLanes;                           // elements per CTA (one row)
+constexpr int kGcMaxThreads = kMaxGroups * kGcLanes;            // 128
+static_assert(64 % kGcCols == 0, "a CTA's elements lie in one row for every head dim");
 
-__global__ void __launch_bounds__(kCombineWarps * 32)
-paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
+__global__ void __launch_bounds__(kGcMaxThreads)
+paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
   const PagedDecodeArgs& a = pb.a;
-  const int hd = a.head_dim, slices = hd / kCombineCols;
-  const int slice = blockIdx.x % slices, rest = blockIdx.x / slices;
-  const int gr = rest % pb.rows_total, kvh = rest / pb.rows_total, b = blockIdx.y;
+  const int hd = a.head_dim, kvh = blockIdx.y, b = blockIdx.z;
+  const int gi = threadIdx.x / kGcLanes, lane = threadIdx.x % kGcLanes;
+  const int e_cta = blockIdx.x * kGcCols;                      // row · hd + first column
+  const int gr = e_cta / hd, col0 = e_cta % hd;
   // seq_lens before the wait: this grid launches only once every attention CTA has passed its
   // own pdl_wait (then triggered), so whatever wrote seq_lens has completed and is visible;
-  // the split count is known when the partials are. Only the partials need the wait.
+  // only the partials need the wait.
   const int seq_len = min(max(__ldg(a.seq_lens + b), 0), a.max_blocks * a.block_size);
   pdl_wait();                                   // attention grid done, partials visible
   pdl_launch_dependents();                      // the next PDL kernel may start launching
   const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
-  const bool fused = pb.splits_per_cta > 1;
-  const int groups = (count + kSplitGroup - 1) / kSplitGroup;
-  if (count <= 1 || (fused && groups <= 1)) return;            // written by the attention kernel
-  const int stored = fused ? groups : count;                  // partial slots holding data
+  if (count <= 1) return;                       // the attention kernel wrote out (whole CTA)
+  const int groups = (count + kSplitGroup - 1) / kSplitGroup;  // ≤ blockDim.x / kGcLanes
 
-  __shared__ __align__(16) float o_s[kPagedDecodeMaxSplits][kCombineCols];  // partials, this slice
-  __shared__ float lam_s[kPagedDecodeMaxSplits];
-  __shared__ float coef_a[kPagedDecodeMaxSplits], coef_c[kPagedDecodeMaxSplits];  // level 1
-  __shared__ float g_lam[kMaxGroups], g_inv[kMaxGroups], g_a[kMaxGroups], g_c[kMaxGroups];  // level 1 → 2
-  __shared__ float top_lam, top_inv;
-  const int64_t prow0 = ((int64_t)b * a.num_kv_heads + kvh) * a.max_splits * pb.rows_total + gr;
-  const int64_t split_stride = pb.rows_total;   // partial rows between consecutive slots
-  const float* po = a.partial_o + prow0 * hd + slice * kCombineCols;
-  // All loads first (λ and ≤ 8 float4 per thread, in flight together), then the smem stores.
-  static_assert(kPagedDecodeMaxSplits <= kCombineWarps * 32, "one λ per thread");
-  const float lam_mine = threadIdx.x < stored ? a.partial_lse[prow0 + threadIdx.x * split_stride] : 0.f;
-  constexpr int kVecPerSlot = kCombineCols / 4;
-  constexpr int kVecPerThread = kPagedDecodeMaxSplits * kVecPerSlot / (kCombineWarps * 32);
-  float4 staged[kVecPerThread];
+  __shared__ __align__(16) float og_s[kMaxGroups][kGcCols];     // level-1 results o_g
+  __shared__ float lam_s[kMaxGroups];                           // λ_g (one row per CTA)
+  if (gi < groups) {                            // level 1: group gi, elements 4·lane ..+3
+    const int s0 = gi * kSplitGroup, n = min(count - s0, kSplitGroup);
+    const int64_t prow0 = (((int64_t)b * a.num_kv_heads + kvh) * a.max_splits + s0) * pb.rows_total + gr;
+    float lam[kSplitGroup];
+    float4 o[kSplitGroup];
 #pragma unroll
-  for (int k = 0; k < kVecPerThread; ++k) {
-    const int i = threadIdx.x + k * kCombineWarps * 32, slot = i / kVecPerSlot, v = i % kVecPerSlot;
-    if (slot < stored) staged[k] = *reinterpret_cast<const float4*>(po + slot * split_stride * hd + 4 * v);
-  }
+    for (int k = 0; k < kSplitGroup; ++k) {
+      if (k < n) {
+        const int64_t prow = prow0 + (int64_t)k * pb.rows_total;
+        lam[k] = a.partial_lse[prow];
+        o[k] = *reinterpret_cast<const float4*>(a.partial_o + prow * hd + col0 + 4 * lane);  // 16-byte aligned
+      }
+    }
+    Fold f;
+    float og[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int k = 0; k < kVecPerThread; ++k) {
-    const int i = threadIdx.x + k * kCombineWarps * 32, slot = i / kVecPerSlot, v = i % kVecPerSlot;
-    if (slot < stored) *reinterpret_cast<float4*>(&o_s[slot][4 * v]) = staged[k];
-  }
-  if (threadIdx.x < stored) lam_s[threadIdx.x] = lam_mine;
-  __syncthreads();                              // (staged) partials of this slice in smem
-
-  if (threadIdx.x < groups) {                   // level-1 recurrences: thread gi, group gi
-    const int gi = threadIdx.x;
-    float lam_g = lam_s[gi], inv_g = 1.f;
-    if (!fused) {
-      Fold f;
-      for (int sp = gi * kSplitGroup; sp < min(count, (gi + 1) * kSplitGroup); ++sp)
-        fold_coeffs(f, lam_s[sp], coef_a[sp], coef_c[sp]);
-      fold_result(f, lam_g, inv_g);
+    for (int k = 0; k < kSplitGroup; ++k) {
+      if (k < n) {
+        float ca, cc;
+        fold_coeffs(f, lam[k], ca, cc);
+        fold_elem4(og, ca, o[k], cc);
+      }
     }
-    g_lam[gi] = lam_g;
-    g_inv[gi] = inv_g;
+    float lam_g, inv_g;
+    fold_result(f, lam_g, inv_g);
+    *reinterpret_cast<float4*>(&og_s[gi][4 * lane]) =
+        make_float4(__fmul_rn(og[0], inv_g), __fmul_rn(og[1], inv_g), __fmul_rn(og[2], inv_g), __fmul_rn(og[3], inv_g));
+    if (lane == 0) lam_s[gi] = lam_g;
   }
-  __syncthreads();                              // (level 1) group λ, 1/L ready
-  if (threadIdx.x == 0) {                       // level-2 recurrence over the groups, in order
-    Fold top;
-    for (int gi = 0; gi < groups; ++gi) fold_coeffs(top, g_lam[gi], g_a[gi], g_c[gi]);
-    fold_result(top, top_lam, top_inv);
-  }
-  // Split mode, level 1 per (column, group): thread q·64 + c folds column c of groups
-  // gi ≡ q (mod 4), ≤ 4 × 8 dependent steps, and leaves o_g in its group's first slot (only
-  // this thread reads that group's slots of column c). v1 ran both levels in one thread per
-  // column: up to 128 + 16 dependent smem-load + FMA steps (~2 µs at 128 splits). Same
-  // operations in the same order per group, so the same bits.
-  constexpr int kColThreads = kCombineWarps * 32 / kCombineCols;   // threads per column: 4
-  if (!fused) {
-    const int c = threadIdx.x % kCombineCols;
-    for (int gi = threadIdx.x / kCombineCols; gi < groups; gi += kColThreads) {
-      float acc = 0.f;
-      for (int sp = gi * kSplitGroup; sp < min(count, (gi + 1) * kSplitGroup); ++sp)
-        acc = fold_elem(acc, coef_a[sp], o_s[sp][c], coef_c[sp]);
-      o_s[gi * kSplitGroup][c] = __fmul_rn(acc, g_inv[gi]);
-    }
-  }
-  __syncthreads();                              // (level 2) coefficients and group results ready
+  __syncthreads();                              // (level 1) every group's o_g, λ_g in smem
 
-  if (threadIdx.x < kCombineCols) {
+  if (threadIdx.x < kGcCols) {                  // level 2: element threadIdx.x over the groups
     const int c = threadIdx.x;
-    float acc_top = 0.f;
-    for (int gi = 0; gi < groups; ++gi)
-      acc_top = fold_elem(acc_top, g_a[gi], o_s[fused ? gi : gi * kSplitGroup][c], g_c[gi]);
+    float lam_g[kMaxGroups], o_g[kMaxGroups];   // all smem loads first, then the chain
+#pragma unroll
+    for (int g2 = 0; g2 < kMaxGroups; ++g2) {
+      if (g2 < groups) {
+        lam_g[g2] = lam_s[g2];
+        o_g[g2] = og_s[g2][c];
+      }
+    }
+    Fold top;
+    float acc = 0.f;
+#pragma unroll
+    for (int g2 = 0; g2 < kMaxGroups; ++g2) {
+      if (g2 < groups) {
+        float ta, tc;
+        fold_coeffs(top, lam_g[g2], ta, tc);
+        acc = fold_elem(acc, ta, o_g[g2], tc);
+      }
+    }
+    float top_lam, top_inv;
+    fold_result(top, top_lam, top_inv);
     const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
     const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
-    static_cast<__nv_bfloat16*>(a.out)[orow * hd + slice * kCombineCols + c] =
-        __float2bfloat16_rn(__fmul_rn(acc_top, top_inv));
-    if (a.lse != nullptr && slice == 0 && c == 0) a.lse[orow] = top_lam * kLn2;
+    static_cast<__nv_bfloat16*>(a.out)[orow * hd + col0 + c] = __float2bfloat16_rn(__fmul_rn(acc, top_inv));
+    if (a.lse != nullptr && col0 == 0 && c == 0) a.lse[orow] = top_lam * kLn2;
   }
 }
 
@@ -886,17 +898,17 @@ paged_decode_combine_kernel(const __grid_constant__ Problem pb) {
 // no barrier, and all loads of one fold level are in flight together.
 //   kFused (fused mode: the slots hold group results): level 2 over ≤ 16 slots, one round trip.
 //   split mode: level 1 per group of ≤ 8 splits (one round trip per group), then level 2;
-//   chosen by the launcher for max_splits ≤ kFlatMaxSplits (≤ 2 groups); longer tables keep
-//   the staged kernel above, which loads all ≤ 128 slots at once (B = 1, L = 32K: one round
-//   trip there instead of 16).
-// Why: the staged kernel's grid is one 256-thread CTA per (sequence, kv head, row, 64
+//   chosen by the launcher for max_splits ≤ kFlatMaxSplits (≤ 2 groups); longer tables go to
+//   the grouped kernel above, which has all ≤ 128 slots in flight at once (B = 1, L = 32K: one
+//   round trip there instead of 16).
+// Why: v2's staged kernel's grid was one 256-thread CTA per (sequence, kv head, row, 64
 // columns), 4 resident per SM (57 registers): at B = 128, 16/2, hd 256 that is 8192 CTAs,
 // 15.5 waves of ~1.5–2 µs dependent chains (seq_lens, partials, 3 barriers, the folds): an
 // estimated 25–30 µs of v2's 612 µs at L = 8K (floor 510), ~7 µs of 161 at B = 32 (2048 CTAs;
 // B = 32, L = 1K split mode the same). Here 1024 CTAs of 128 threads at B = 128: ≈ 2 waves.
-// Same operations in the same order per element as the staged kernel, so the same bits (the
+// Same operations in the same order per element as the grouped kernel, so the same bits (the
 // batch-invariance test compares a fused batch, combined here, with the sequence alone, whose
-// table of > 16 splits is combined by the staged kernel).
+// table of > 16 splits is combined by the grouped kernel).
 constexpr int kFlatThreads = 128;
 constexpr int kFlatElems = 4 * kFlatThreads;                 // flattened elements per CTA
 constexpr int kFlatMaxSplits = 2 * kSplitGroup;              // split mode: ≤ 2 dependent trips
@@ -907,13 +919,14 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
   const PagedDecodeArgs& a = pb.a;
   const int hd = a.head_dim, kvh = blockIdx.y, b = blockIdx.z;
   const int e0 = blockIdx.x * kFlatElems + 4 * threadIdx.x;  // row · hd + column, column % 4 == 0
-  // seq_lens before the wait (as in the staged kernel: written before the attention grid ran).
+  // seq_lens before the wait (as in the grouped kernel: written before the attention grid ran).
   const int seq_len = min(max(__ldg(a.seq_lens + b), 0), a.max_blocks * a.block_size);
   pdl_wait();                                   // attention grid done, partials visible
   pdl_launch_dependents();
   const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;
-  if (count <= 1 || (kFused && groups <= 1) || e0 >= pb.rows_total * hd) return;  // see staged
+  // count ≤ 1, or a fused sequence of one group: the attention kernel wrote out (see there)
+  if (count <= 1 || (kFused && groups <= 1) || e0 >= pb.rows_total * hd) return;
   const int gr = e0 / hd, col = e0 % hd;
   const int64_t slot0 = ((int64_t)b * a.num_kv_heads + kvh) * a.max_splits;      // slot 0's index
   auto load = [&](int slot, float& lam, float4& o) {
@@ -975,8 +988,8 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
 }
 
 // Combine launch: programmatic dependent launch (see above); a plain launch where refused.
-// The flat kernel for fused mode and for short tables, the staged one for long split-mode
-// tables (small batches of long sequences).
+// The flat kernel for fused mode and for short tables, the grouped one for long split-mode
+// tables (small batches of long sequences, and verify groups of > 16 rows).
 cudaError_t launch_combine(const Problem& pb, cudaStream_t stream) {
   const bool fused = pb.splits_per_cta > 1;
   if (fused || pb.a.max_splits <= kFlatMaxSplits) {
@@ -984,8 +997,11 @@ cudaError_t launch_combine(const Problem& pb, cudaStream_t stream) {
     return fused ? launch_pdl(paged_decode_combine_flat_kernel<true>, grid, dim3(kFlatThreads), 0, stream, pb)
                  : launch_pdl(paged_decode_combine_flat_kernel<false>, grid, dim3(kFlatThreads), 0, stream, pb);
   }
-  const dim3 grid(pb.a.num_kv_heads * pb.rows_total * (pb.a.head_dim / kCombineCols), pb.a.batch);
-  return launch_pdl(paged_decode_combine_kernel, grid, dim3(kCombineWarps * 32), 0, stream, pb);
+  // a thread per (group, 4 elements), at least kGcCols of them for level 2 (groups_max 3: 32)
+  const int groups_max = (pb.a.max_splits + kSplitGroup - 1) / kSplitGroup;   // 3..16 here
+  const int threads = max(groups_max * kGcLanes, kGcCols);
+  const dim3 grid(pb.rows_total * pb.a.head_dim / kGcCols, pb.a.num_kv_heads, pb.a.batch);
+  return launch_pdl(paged_decode_combine_groups_kernel, grid, dim3(threads), 0, stream, pb);
 }
 
 // ---- launcher -------------------------------------------------------------------------------

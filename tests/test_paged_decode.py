@@ -257,9 +257,10 @@ KERNEL_CASES = [  # (B, max_len, bs, hd, nq, nkv, q_len): sampled, L = 32768 onl
     (128, 17, 16, 64, 8, 8, 3),
     (128, 1000, 16, 256, 24, 4, 1),      # fused mode: one CTA folds each sequence's 8 splits
     (64, 3000, 16, 64, 8, 8, 1),         # fused mode with 2 split groups + combine
-    (1, 32768, 16, 256, 16, 2, 1),
+    (1, 32768, 16, 256, 16, 2, 1),       # split mode, 128 splits: the grouped combine
     (1, 32768, 16, 256, 24, 4, 3),
     (3, 32768, 528, 128, 8, 8, 8),
+    (2, 9000, 16, 64, 8, 1, 2),          # grouped combine at hd 64 (2 CTAs per row), 5 groups
 ]
 
 # bf16 output rounding (2^-9) plus P rounded to bf16 before P·V: ~3e-3 typical
@@ -314,15 +315,24 @@ def test_kernel_strided_query_view():
     _check_against_reference(case1, out1, lse1)
 
 
+INVARIANCE_CASES = [  # (B, max_len, hd, nq, nkv): B · nkv · ceil(splits / 8) ≥ 256 → fused at q_len 1
+    (16, 20000, 256, 16, 2),
+    (52, 9000, 64, 8, 1),
+]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("q_len", [1, 8])
-def test_kernel_batch_invariant(kv_dtype, q_len):
+@pytest.mark.parametrize("geom", INVARIANCE_CASES, ids=lambda g: "B{}-L{}-hd{}-h{}of{}".format(*g))
+def test_kernel_batch_invariant(geom, kv_dtype, q_len):
     """A sequence's output bits do not depend on the rest of the batch nor on the table width
-    (at q_len 1 the batch runs in fused mode and the sequence alone in split mode)."""
-    case = make_case(16, 20000, 16, 256, 16, 2, q_len, kv_dtype, device="cuda", seed=41 + q_len)
+    (at q_len 1 the batch runs in fused mode, combined by the flat kernel, and the sequence
+    alone in split mode, its > 16 splits combined by the grouped kernel)."""
+    b, n_max, hd, nq, nkv = geom
+    case = make_case(b, n_max, 16, hd, nq, nkv, q_len, kv_dtype, device="cuda", seed=seed_of(geom, q_len))
     out, lse = call(case, return_lse=True)
-    for i in (0, 7, 15):
+    for i in (0, b // 2, b - 1):
         n = int(case["seq_lens"][i])
         alone = dict(case, query=case["query"][i:i + 1], seq_lens=case["seq_lens"][i:i + 1].clone(),
                      block_tables=case["block_tables"][i:i + 1, :-(-n // 16)].contiguous())

@@ -202,8 +202,11 @@ int main() {
       {2, 600, 16, 256, 16, 2, 8, true, false},    // 64 rows
       {2, 600, 16, 64, 16, 1, 8, false, false},    // 128 rows → 2 row groups
       {2, 600, 16, 64, 16, 1, 8, true, false},
-      {2, 5000, 16, 256, 16, 2, 2, false, false},  // 20 splits, 16 rows → 1 row tile
+      {2, 5000, 16, 256, 16, 2, 2, false, false},  // 20 splits, 16 rows → 1 row tile, grouped combine
       {2, 5000, 16, 256, 16, 2, 2, true, false},
+      {1, 9000, 16, 64, 8, 1, 2, false, false},    // 36 splits: grouped combine, 2 CTAs per row
+      {1, 9000, 16, 64, 8, 1, 2, true, false},
+      {1, 32000, 16, 256, 16, 2, 1, false, false}, // 125 splits: 16 groups, the last of 5
       {48, 2500, 16, 64, 16, 8, 1, false, false},  // fused mode (48·8·2 ≥ 256 CTAs), 2 groups
       {48, 2500, 16, 64, 16, 8, 1, true, false},
       {3, 400, 16, 128, 8, 2, 1, false, true},     // bad ids / seq_lens: memory safety
