@@ -139,11 +139,46 @@ def _tile_rows(t: Tensor, row_bytes_per_chunk: int) -> Tensor:
     return torch.cat(parts).view(n, c, row_bytes_per_chunk)
 
 
+# The tiled copy also re-places the bits inside each 32-bit word (8 codes, code i = k offset i):
+# the kernel forms bf16x2 register i = (code i, code i + 4) · 2^-126 (e2m1 magnitude at bf16
+# bits 6..8 / 22..24, sign at 15 / 31) as
+#   (rotr(q, R_i) & 0x01C001C0) | (rotr(q, S_i) & 0x80008000),  (R_i, S_i) = GEMV_WORD_ROTATIONS[i],
+# one masked rotation when R_i == S_i: 5 rotations and 6 LOP3 per word instead of the
+# checkpoint layout's 15 shift/mask instructions (no four translates of that bit pattern tile a
+# word, so one rotation per register is impossible; this is the cheapest assignment: exhaustive
+# search). Code i's magnitude bit b (0..2) lives at (6 + b + R_i) mod 32, its sign at
+# (15 + S_i) mod 32; code i + 4's at (22 + b + R_i) and (31 + S_i) mod 32.
+GEMV_WORD_ROTATIONS = ((0, 0), (3, 1), (6, 6), (11, 5))
+
+
+def _gemv_word_moves() -> list[tuple[int, int, int]]:
+    """(source shift, width mask, destination bit) of each field a tiled word is built from."""
+    moves = []
+    for i, (r, s) in enumerate(GEMV_WORD_ROTATIONS):
+        for code, mag_at, sign_at in ((i, 6, 15), (i + 4, 22, 31)):
+            moves.append((4 * code, 0x7, (mag_at + r) % 32))
+            moves.append((4 * code + 3, 0x1, (sign_at + s) % 32))
+    return moves
+
+
+def gemv_word_bits(packed: Tensor) -> Tensor:
+    """uint8 [..., 4j] checkpoint packing → the same codes in the tiled word bit order above
+    (little-endian 32-bit words; a 3-bit magnitude field never wraps past bit 31)."""
+    words = packed.reshape(-1, 4).to(torch.int64)
+    w = words[:, 0] | (words[:, 1] << 8) | (words[:, 2] << 16) | (words[:, 3] << 24)
+    out = torch.zeros_like(w)
+    for src, mask, dst in _gemv_word_moves():
+        out |= ((w >> src) & mask) << dst
+    b = torch.stack([(out >> (8 * j)) & 0xFF for j in range(4)], dim=1).to(torch.uint8)
+    return b.reshape(packed.shape)
+
+
 def tile_for_gemv(q: "NVFP4Weight") -> tuple[Tensor, Tensor]:
     """The same bytes as q, regrouped for w4a16_gemv's tiled layout (csrc/w4a16_gemv.h): each
     16-row tile's 128-k chunks contiguous, so a warp streams one run of 16·64 packed bytes (and
     16·8 scale bytes) per chunk instead of 16 pieces K/2 bytes apart (measured: the row-major
-    reads left DRAM at ≈ 50% of its peak on the LM heads).
+    reads left DRAM at ≈ 50% of its peak on the LM heads), and each 32-bit word's codes in the
+    bit order of gemv_word_bits (cheaper dequantization).
 
     Returns:
         (packed uint8 [N, K/128, 64], block_scale float8_e4m3fn [N, K/128, 8]); the 3-D shape
@@ -155,6 +190,8 @@ def tile_for_gemv(q: "NVFP4Weight") -> tuple[Tensor, Tensor]:
     if k % GEMV_CHUNK_K != 0:
         raise ValueError(f"tile_for_gemv: K = {k} must be a multiple of {GEMV_CHUNK_K}")
     packed = _tile_rows(q.packed, GEMV_CHUNK_K // 2)
+    rows_per_pass = max(1, (1 << 24) // max(1, packed[0].numel()))   # bounds the int64 temporaries
+    packed = torch.cat([gemv_word_bits(packed[i:i + rows_per_pass]) for i in range(0, n, rows_per_pass)])
     scale = _tile_rows(q.block_scale.view(torch.uint8), GEMV_CHUNK_K // 16).view(torch.float8_e4m3fn)
     return packed, scale
 

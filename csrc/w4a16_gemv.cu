@@ -53,6 +53,11 @@
 //         chunk is one contiguous run (csrc/w4a16_gemv.h); only each thread's copy plan differs
 //         (row_plan), the math and bits are the same. v2.4: the row-major pattern left DRAM
 //         ≈ 50% busy on the LM heads (64 B per row per chunk, rows K/2 bytes apart).
+//   M = 1 (v3): w4a16_gemv_m1_kernel — the CTA's activations loaded and permuted once, each
+//         warp its own cp.async ring synced by __syncwarp() (no CTA barrier in the loop); the
+//         tiled layout's words carry their bits pre-placed (nvfp4.gemv_word_bits,
+//         dequant_word_tiled: 11 instead of 15 bit operations per word). Same mma sequence and
+//         sums as every M, so the rows stay batch invariant.
 //   tails: rows ≥ n and (generic path) k ≥ K are zero-filled by cp.async; K % 128 == 0 with
 //         16-byte-aligned rows takes the vector path, any K % 16 == 0 the generic one.
 //         Activation rows ≥ M in the last n8 tile are never written: they feed only output
@@ -159,6 +164,168 @@ __device__ __forceinline__ void store_out(const W4A16GemvWeight& w, DType dt, in
   else static_cast<__nv_bfloat16*>(w.out)[off] = __float2bfloat16_rn(v);
 }
 
+// Byte offset of weight row n's chunk c_begin and the step per chunk, for `bytes` per row and
+// chunk (64 packed, 8 scale): row-major, or inside its 16-row tile (see W4A16GemvWeight).
+__device__ __forceinline__ void row_plan(const W4A16GemvWeight& wt, int K, int c_begin, int n, int bytes,
+                                         int64_t& off, int& step) {
+  if (wt.tiled) {
+    const int tile = n / kTileN, r = n - tile * kTileN, tile_rows = min(kTileN, wt.rows - tile * kTileN);
+    off = static_cast<int64_t>(tile) * kTileN * (K / kChunkK) * bytes +
+          static_cast<int64_t>(c_begin) * tile_rows * bytes + r * bytes;
+    step = tile_rows * bytes;
+  } else {
+    off = static_cast<int64_t>(n) * (K / kChunkK) * bytes + static_cast<int64_t>(c_begin) * bytes;
+    step = bytes;
+  }
+}
+
+// A lane's share of its warp's 16-row tile over the K segments of its CTA (SplitPlan): acc is
+// the current segment's partial; done is 0 + the finished segments' partials in order (one CTA
+// over all segments) or the first segment's partial (2 segments per CTA in a cluster).
+template <int MT>
+struct SegmentSums {
+  float acc[MT][4];
+  float done[MT][4];
+  int finished = 0;
+  __device__ __forceinline__ SegmentSums() {
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][e] = done[i][e] = 0.0f;
+    }
+  }
+  __device__ __forceinline__ void finish_segment(int splits, const SplitPlan& plan) {
+    if (splits == 1 || (plan.segs_per_cta == 2 && finished == 0)) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          done[i][e] = splits == 1 ? done[i][e] + acc[i][e] : acc[i][e];
+          acc[i][e] = 0.0f;
+        }
+      }
+    }
+    ++finished;
+  }
+};
+
+// dequant_word for the tiled layout's word bit order (atlas/nvfp4.py gemv_word_bits): the same
+// 4 bf16x2 registers r[i] = (code i, code i+4) · f from 5 rotations and 6 LOP3 (+ 4 HMUL2)
+// instead of 15 shift/mask instructions: register i is (rotr(q, R_i) & magnitudes) |
+// (rotr(q, S_i) & signs), (R_i, S_i) = (0, 0), (3, 1), (6, 6), (11, 5).
+__device__ __forceinline__ uint32_t rotr(uint32_t q, int r) { return __funnelshift_r(q, q, r); }
+__device__ __forceinline__ void dequant_word_tiled(uint32_t q, __nv_bfloat162 f, uint32_t (&r)[4]) {
+  constexpr uint32_t kMag = 0x01C001C0u, kSign = 0x80008000u;
+  const uint32_t sub[4] = {q & (kMag | kSign), (rotr(q, 3) & kMag) | (rotr(q, 1) & kSign),
+                           rotr(q, 6) & (kMag | kSign), (rotr(q, 11) & kMag) | (rotr(q, 5) & kSign)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r[i] = bf162_bits(__hmul2(bits_bf162(sub[i]), f));
+}
+
+// One 128-k chunk of a warp's 16-row tile on the tensor cores: 4 words × 2 mma steps × MT
+// tiles. w_g / s_g: the lane's 16 packed bytes and 2 scale bytes of tile row g (row g + 8 is
+// 8 rows further); xfrag(w, mt): the B fragment (4 words) of word w for n8 tile mt. kTiledBits:
+// the words are in the tiled layout's bit order (dequant_word_tiled), else the checkpoint's.
+template <int MT, bool kTiledBits, typename XFrag>
+__device__ __forceinline__ void mma_chunk(float (&acc)[MT][4], const uint8_t* w_g, const uint8_t* s_g,
+                                          XFrag xfrag) {
+  const uint4 qa = *reinterpret_cast<const uint4*>(w_g);                        // row g
+  const uint4 qb = *reinterpret_cast<const uint4*>(w_g + 8 * kRowBytes);        // row g+8
+  const __nv_bfloat162 fa = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(s_g));
+  const __nv_bfloat162 fb = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(s_g + 8 * kScaleBytes));
+  const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {            // word w: k = 32t + 8w .. +8, block 2t + w/2
+    uint32_t ra[4], rb[4];
+    if constexpr (kTiledBits) {
+      dequant_word_tiled(wa[w], w < 2 ? __low2bfloat162(fa) : __high2bfloat162(fa), ra);
+      dequant_word_tiled(wb[w], w < 2 ? __low2bfloat162(fb) : __high2bfloat162(fb), rb);
+    } else {
+      dequant_word(wa[w], w < 2 ? __low2bfloat162(fa) : __high2bfloat162(fa), ra);
+      dequant_word(wb[w], w < 2 ? __low2bfloat162(fb) : __high2bfloat162(fb), rb);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint4 xv = xfrag(w, mt);
+      // h = 0: k (8w, 8w+4) and (8w+1, 8w+5); h = 1: (8w+2, 8w+6) and (8w+3, 8w+7)
+      mma_bf16_16816(acc[mt], ra[0], rb[0], ra[1], rb[1], xv.x, xv.y);
+      mma_bf16_16816(acc[mt], ra[2], rb[2], ra[3], rb[3], xv.z, xv.w);
+    }
+  }
+}
+
+// The CTA's rows out: y = sum · global_scale · 2^7 (one f32 multiply, one rounding). One CTA
+// over all segments stores its running sums; a cluster of `splits` CTAs (split-K) stores the
+// segment partials [segs_per_cta][16W rows][8MT cols] f32 in shared memory and sums them in
+// segment order (rank 0's, then rank 1's, …: deterministic), each rank storing every S-th
+// element, the remote loads of an element issued together. Every thread of the CTA calls it.
+template <int MT>
+__device__ __forceinline__ void store_rows(const W4A16GemvArgs& args, const W4A16GemvWeight& wt,
+                                           const SplitPlan& plan, const SegmentSums<MT>& sums, int row0,
+                                           uint8_t* smem) {
+  const int tid = threadIdx.x, nthreads = blockDim.x, warps = nthreads / 32, warp = tid / 32;
+  const int g = (tid % 32) / 4, t = tid % 4, splits = gridDim.x, split = blockIdx.x;
+  const int M = args.m, n_rows = wt.n;
+  const float factor = __ldg(wt.global_scale) * kOutBias;
+  const int row_base = row0 + warp * kTileN;
+  if (splits == 1) {
+    if (row_base >= n_rows) return;
+    // Empty trailing segments (K short of the last ones) add +0 in the cluster order too.
+    const bool empty_tail = sums.finished < plan.num_segs;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = mt * 8 + 2 * t + (e & 1), n = row_base + g + 8 * (e >> 1);
+        const float v = empty_tail ? sums.done[mt][e] + 0.0f : sums.done[mt][e];
+        if (m < M && n < n_rows) store_out(wt, args.out_dtype, m, n, v * factor);
+      }
+    }
+    return;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // all warps are done with the stage buffers
+  constexpr int kCols = MT * 8;
+  const int part_stride = warps * kTileN * kCols;  // floats per segment
+  float* part = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int idx = (warp * kTileN + g + 8 * (e >> 1)) * kCols + mt * 8 + 2 * t + (e & 1);
+      if (plan.segs_per_cta == 2) {
+        part[idx] = sums.done[mt][e];
+        part[part_stride + idx] = sums.acc[mt][e];
+      } else {
+        part[idx] = sums.acc[mt][e];
+      }
+    }
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  for (int e = split * nthreads + tid; e < warps * kTileN * M; e += splits * nthreads) {
+    const int rl = e / M, m = e % M, n = row0 + rl;
+    if (n >= n_rows) continue;
+    float v[kMaxSplits][2];
+#pragma unroll
+    for (int r = 0; r < kMaxSplits; ++r) {
+      const float* pr = r < splits ? cluster.map_shared_rank(part, r) + rl * kCols + m : nullptr;
+      v[r][0] = pr ? pr[0] : 0.0f;
+      v[r][1] = pr && plan.segs_per_cta == 2 ? pr[part_stride] : 0.0f;
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kMaxSplits; ++r) {
+      if (r < splits) {
+        s += v[r][0];
+        if (plan.segs_per_cta == 2) s += v[r][1];
+      }
+    }
+    store_out(wt, args.out_dtype, m, n, s * factor);
+  }
+  cluster.sync();  // keep this CTA's partials alive until every rank has read them
+}
+
 // ---- the kernel --------------------------------------------------------------------------
 // MT: n8 tiles of x rows (M ≤ 8·MT). kVec: K % 128 == 0 and 16-byte rows (16-byte weight
 // copies, 8-byte scale copies, no K tail); else 8-byte weight copies and byte scale loads.
@@ -208,26 +375,13 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   int s_step = 0;
   const bool s_issuer = tid < warps * kTileN;
   if constexpr (kVec) {
-    // Byte offset of row n's chunk c_begin and the step per chunk, for `bytes` per row and chunk
-    // (64 packed, 8 scale): row-major, or inside its 16-row tile (see W4A16GemvWeight).
-    auto row_plan = [&](int n, int bytes, int64_t& off, int& step) {
-      if (wt.tiled) {
-        const int tile = n / kTileN, r = n - tile * kTileN, tile_rows = min(kTileN, wt.rows - tile * kTileN);
-        off = static_cast<int64_t>(tile) * kTileN * (K / kChunkK) * bytes +
-              static_cast<int64_t>(c_begin) * tile_rows * bytes + r * bytes;
-        step = tile_rows * bytes;
-      } else {
-        off = static_cast<int64_t>(n) * (K / kChunkK) * bytes + static_cast<int64_t>(c_begin) * bytes;
-        step = bytes;
-      }
-    };
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int p = tid + j * nthreads, rl = p >> 2, u = p & 3, n = row0 + rl;
       const bool ok = n < n_rows;
       int64_t off = 0;
       int step = 0;
-      if (ok) row_plan(n, kRowBytes, off, step);
+      if (ok) row_plan(wt, K, c_begin, n, kRowBytes, off, step);
       w_src[j] = wt.packed + (ok ? off + u * 16 : 0);
       w_step[j] = ok ? step : 0;
       w_dst[j] = lay.w_off + rl * kRowBytes + u * 16;
@@ -235,7 +389,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     const int n = row0 + tid;
     if (s_issuer && n < n_rows) {
       int64_t off = 0;
-      row_plan(n, kScaleBytes, off, s_step);
+      row_plan(wt, K, c_begin, n, kScaleBytes, off, s_step);
       s_src = wt.block_scale + off;
     }
   }
@@ -339,28 +493,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
 
-  float acc[MT][4];   // the current segment's partial
-  float done[MT][4];  // splits == 1: 0 + the finished segments' partials, in order; splits > 1
-                      // with 2 segments per CTA: the first one's partial
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[i][e] = done[i][e] = 0.0f;
-  }
-  int segs_finished = 0;
-  auto finish_segment = [&]() {
-    if (splits == 1 || (plan.segs_per_cta == 2 && segs_finished == 0)) {
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          done[i][e] = splits == 1 ? done[i][e] + acc[i][e] : acc[i][e];
-          acc[i][e] = 0.0f;
-        }
-      }
-    }
-    ++segs_finished;
-  };
+  SegmentSums<MT> sums;
   const bool warp_has_rows = row0 + warp * kTileN < n_rows;
 
   // The lane's fragment offsets inside a stage, fixed for the CTA: weight row g (row g + 8 is
@@ -372,29 +505,16 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
 #pragma unroll
   for (int w = 0; w < 4; ++w) lane_x[w] = lay.x_off + g * kXRowBytes + bf16_unit_slot(g, 4 * t + w) * 16;
 
-  // One chunk on the tensor cores: 4 words × 2 mma steps × MT tiles.
+  // One chunk on the tensor cores. Activation rows ≥ M are never written (stale shared
+  // memory): they only feed output columns ≥ M, which are never stored (mma columns are
+  // independent dot products).
   auto compute_stage = [&](int st_off) {
     const uint8_t* st = smem + st_off;
-    const uint4 qa = *reinterpret_cast<const uint4*>(st + lane_w);                        // row g
-    const uint4 qb = *reinterpret_cast<const uint4*>(st + lane_w + 8 * kRowBytes);        // row g+8
-    const __nv_bfloat162 fa = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(st + lane_s));
-    const __nv_bfloat162 fb = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(st + lane_s + 8 * kScaleBytes));
-    const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {            // word w: k = 32t + 8w .. +8, block 2t + w/2
-      uint32_t ra[4], rb[4];
-      dequant_word(wa[w], w < 2 ? __low2bfloat162(fa) : __high2bfloat162(fa), ra);
-      dequant_word(wb[w], w < 2 ? __low2bfloat162(fb) : __high2bfloat162(fb), rb);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        // Activation rows ≥ M are never written (stale shared memory): they only feed output
-        // columns ≥ M, which are never stored (mma columns are independent dot products).
-        const uint4 xv = *reinterpret_cast<const uint4*>(st + lane_x[w] + mt * 8 * kXRowBytes);
-        // h = 0: k (8w, 8w+4) and (8w+1, 8w+5); h = 1: (8w+2, 8w+6) and (8w+3, 8w+7)
-        mma_bf16_16816(acc[mt], ra[0], rb[0], ra[1], rb[1], xv.x, xv.y);
-        mma_bf16_16816(acc[mt], ra[2], rb[2], ra[3], rb[3], xv.z, xv.w);
-      }
-    }
+    auto xfrag = [&](int w, int mt) {
+      return *reinterpret_cast<const uint4*>(st + lane_x[w] + mt * 8 * kXRowBytes);
+    };
+    if (kVec && wt.tiled) mma_chunk<MT, true>(sums.acc, st + lane_w, st + lane_s, xfrag);
+    else mma_chunk<MT, false>(sums.acc, st + lane_w, st + lane_s, xfrag);
   };
 
   // ---- prologue: the first kStages − 1 chunks' weights stream in before the previous kernel
@@ -431,7 +551,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     if (c + 1 < c_end) convert_stage(next);
     if (warp_has_rows) compute_stage(cur);
     if (--seg_left == 0 || c + 1 == c_end) {
-      finish_segment();
+      sums.finish_segment(splits, plan);
       seg_left = plan.seg_chunks;
     }
     fill = cur;
@@ -440,81 +560,189 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   // The next kernel may start launching (it waits for this whole grid before reading y).
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-  // ---- store: y = acc · global_scale · 2^7 (one f32 multiply, one rounding to the output) ----
-  const float factor = __ldg(wt.global_scale) * kOutBias;
-  const int row_base = row0 + warp * kTileN;
-  if (splits == 1) {
-    if (!warp_has_rows) return;
-    // Empty trailing segments (K short of the last ones) add +0 in the cluster order too.
-    const bool empty_tail = segs_finished < plan.num_segs;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int m = mt * 8 + 2 * t + (e & 1), n = row_base + g + 8 * (e >> 1);
-        const float v = empty_tail ? done[mt][e] + 0.0f : done[mt][e];
-        if (m < M && n < n_rows) store_out(wt, args.out_dtype, m, n, v * factor);
-      }
-    }
-    return;
-  }
-  // split-K: partials [segs_per_cta][16W rows][8MT cols] f32 in shared memory, summed over the
-  // cluster in segment order (rank 0's, then rank 1's, …: deterministic), each rank storing
-  // every S-th element. The remote loads of an element are issued together (unrolled).
-  cp_async_wait<0>();
-  __syncthreads();  // all warps are done with the stage buffers
-  constexpr int kCols = MT * 8;
-  const int part_stride = warps * kTileN * kCols;  // floats per segment
-  float* part = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int idx = (warp * kTileN + g + 8 * (e >> 1)) * kCols + mt * 8 + 2 * t + (e & 1);
-      if (plan.segs_per_cta == 2) {
-        part[idx] = done[mt][e];
-        part[part_stride + idx] = acc[mt][e];
-      } else {
-        part[idx] = acc[mt][e];
-      }
-    }
-  }
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  for (int e = split * nthreads + tid; e < warps * kTileN * M; e += splits * nthreads) {
-    const int rl = e / M, m = e % M, n = row0 + rl;
-    if (n >= n_rows) continue;
-    float v[kMaxSplits][2];
-#pragma unroll
-    for (int r = 0; r < kMaxSplits; ++r) {
-      const float* pr = r < splits ? cluster.map_shared_rank(part, r) + rl * kCols + m : nullptr;
-      v[r][0] = pr ? pr[0] : 0.0f;
-      v[r][1] = pr && plan.segs_per_cta == 2 ? pr[part_stride] : 0.0f;
-    }
-    float s = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kMaxSplits; ++r) {
-      if (r < splits) {
-        s += v[r][0];
-        if (plan.segs_per_cta == 2) s += v[r][1];
-      }
-    }
-    store_out(wt, args.out_dtype, m, n, s * factor);
-  }
-  cluster.sync();  // keep this CTA's partials alive until every rank has read them
+  store_rows<MT>(args, wt, plan, sums, row0, smem);
 }
 
-template <int MT, bool kVec, GemvAct kAct>
-cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0,
-                            SplitPlan plan, cudaStream_t stream) {
-  auto kernel = w4a16_gemv_kernel<MT, kVec, kAct>;
-  const StageLayout lay = stage_layout(warps, MT, kAct != GemvAct::kPlain);
-  const int part_bytes = (grid.x > 1 ? plan.segs_per_cta : 0) * warps * kTileN * MT * 8 *
-                         static_cast<int>(sizeof(float));
-  const int smem = std::max(kStages * lay.bytes, part_bytes);
-  // Opt in above the default 48 KB once per device and instance (the first call is normally
-  // eager; later calls, e.g. under graph capture, make no attribute call).
-  static int opted_in[kMaxDevices] = {};
+// ---- the one-row kernel (v3: M = 1, vector path) -------------------------------------------
+// Decode at batch 1 (and the LM head of a 1-row draft) is the GEMV that must reach the copy
+// bandwidth; v2 spent ≈ 293 warp-instructions per 128-k chunk and warp there (≈ 150 of them
+// not dequant or mma: the CTA-wide barrier, activation copies and their per-chunk permutation,
+// shared copy plans) at ≈ 69% issue utilization — issue-bound at 0.68 of copy bandwidth on the
+// 27B LM head. Here every warp runs its own pipeline:
+//   - the CTA's whole activation range (K_cta bf16, plus the raw x2 for silu / gated) is loaded
+//     once, permuted (or converted) in place into B-fragment order, behind one barrier;
+//   - each warp streams its own 16-row tile through a private kStagesM1-deep ring (lane: two
+//     16-byte weight pieces, lanes < 16 one 8-byte scale piece per chunk) and waits on its own
+//     cp.async groups with __syncwarp(): no CTA barrier in the main loop, no warp waits for
+//     another;
+//   - the B fragment of word w is one broadcast 16-byte load of x (unit 4t + w lives in slot
+//     4w + t, so the 4 addresses of a load are 4 consecutive slots: conflict-free).
+// Same segments, same mma sequence per chunk, same sums and store (mma_chunk, SegmentSums,
+// store_rows) as w4a16_gemv_kernel: a row is bitwise the same as in an M > 1 call.
+// Shared memory: K_cta·2 (·2 raw) + W · kStagesM1 · 1152 B (K = 5120 plain: 10 + 23 KB → 6
+// four-warp CTAs per SM).
+constexpr int kStagesM1 = 5;
+constexpr int kWarpStageBytes = kTileN * (kRowBytes + kScaleBytes);   // 1152
+
+struct M1Layout {
+  int x_off;      // [chunks][256 B]  activations, unit u of a chunk in slot m1_unit_slot(u)
+  int x2_off;     // [chunks][256 B]  silu / gated: raw x2 (same slots)
+  int ring_off;   // [W][kStagesM1][16 rows × 64 B packed | 16 rows × 8 B scales]
+  int bytes;
+};
+__host__ __device__ inline M1Layout m1_layout(int warps, int chunks, bool raw_operands) {
+  M1Layout l;
+  l.x_off = 0;
+  l.x2_off = chunks * kXRowBytes;
+  l.ring_off = l.x2_off + (raw_operands ? chunks * kXRowBytes : 0);
+  l.bytes = l.ring_off + warps * kStagesM1 * kWarpStageBytes;
+  return l;
+}
+__device__ __forceinline__ int m1_unit_slot(int u) { return 4 * (u & 3) + (u >> 2); }
+
+template <GemvAct kAct>
+__global__ void __launch_bounds__(kMaxWarps * 32)
+w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
+                     int groups0,            // row groups of weight 0 (the rest belong to weight 1)
+                     SplitPlan plan) {       // segments of K over the CTAs (blockIdx.x)
+  constexpr bool kRaw = kAct != GemvAct::kPlain;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  const int warps = nthreads / 32, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int splits = gridDim.x, split = blockIdx.x;
+  const int wi = blockIdx.y < groups0 ? 0 : 1;
+  const W4A16GemvWeight& wt = args.w[wi];
+  const int group = blockIdx.y - (wi ? groups0 : 0);
+  const int K = args.k, n_rows = wt.n;
+  const int row0 = group * warps * kTileN;
+  const int num_chunks = K / kChunkK;
+  const int chunks_per_cta = plan.seg_chunks * plan.segs_per_cta;
+  const int c_begin = min(split * chunks_per_cta, num_chunks);
+  const int chunks = min(c_begin + chunks_per_cta, num_chunks) - c_begin;
+  const M1Layout lay = m1_layout(warps, chunks_per_cta, kRaw);
+  const uint32_t smem_base = smem_u32(smem);
+  const int tile_row0 = row0 + warp * kTileN;
+  const bool warp_has_rows = tile_row0 < n_rows;
+
+  // The warp's copy plan: pieces p = lane, lane + 32 of its tile's 16 rows × 4 (row p / 4,
+  // piece p % 4: the stage's [16][64 B] is p · 16 B), lanes < 16 row lane's 8 scale bytes.
+  // Rows ≥ n zero-fill from a fixed address; pointers advance by a constant per chunk.
+  const uint8_t* w_src[2];
+  int w_step[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int p = lane + 32 * j, n = tile_row0 + (p >> 2);
+    int64_t off = 0;
+    int step = 0;
+    if (n < n_rows) row_plan(wt, K, c_begin, n, kRowBytes, off, step);
+    w_src[j] = wt.packed + (n < n_rows ? off + (p & 3) * 16 : 0);
+    w_step[j] = n < n_rows ? step : 0;
+  }
+  const uint8_t* s_src = wt.block_scale;
+  int s_step = 0;
+  if (lane < kTileN && tile_row0 + lane < n_rows) {
+    int64_t off = 0;
+    row_plan(wt, K, c_begin, tile_row0 + lane, kScaleBytes, off, s_step);
+    s_src = wt.block_scale + off;
+  }
+  const int ring = lay.ring_off + warp * kStagesM1 * kWarpStageBytes;   // this warp's ring
+  auto issue = [&](int stage) {
+    const uint32_t st = smem_base + ring + stage * kWarpStageBytes;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      cp_async16(st + (lane + 32 * j) * 16, w_src[j], w_step[j] ? 16 : 0);
+      w_src[j] += w_step[j];
+    }
+    if (lane < kTileN) {
+      cp_async8(st + kTileN * kRowBytes + lane * kScaleBytes, s_src, s_step ? 8 : 0);
+      s_src += s_step;
+    }
+  };
+
+  // ---- prologue: the first kStagesM1 − 1 chunks' weights (before the previous kernel is
+  // waited for: weights are constants), then the CTA's activations, one barrier, converted.
+  if (warp_has_rows) {
+#pragma unroll
+    for (int p = 0; p < kStagesM1 - 1; ++p) {
+      if (p < chunks) issue(p);
+      cp_async_commit();
+    }
+  }
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x / x2 and out are now safe
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(args.x) + static_cast<int64_t>(c_begin) * kChunkK;
+  const __nv_bfloat16* x2 =
+      kRaw ? static_cast<const __nv_bfloat16*>(args.x2) + static_cast<int64_t>(c_begin) * kChunkK : nullptr;
+  for (int i = tid; i < chunks * kXUnits; i += nthreads) {   // unit i: chunk i / 16, unit i % 16
+    const uint32_t dst = smem_base + (i >> 4) * kXRowBytes + m1_unit_slot(i & (kXUnits - 1)) * 16;
+    cp_async16(dst + lay.x_off, x + 8 * i, 16);
+    if constexpr (kRaw) cp_async16(dst + lay.x2_off, x2 + 8 * i, 16);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  for (int i = tid; i < chunks * kXUnits; i += nthreads) {   // the same units, now landed
+    const int slot = (i >> 4) * kXRowBytes + m1_unit_slot(i & (kXUnits - 1)) * 16;
+    uint4* unit = reinterpret_cast<uint4*>(smem + lay.x_off + slot);
+    if constexpr (kRaw) {       // word j = bf16(act(x_j, x2_j), act(x_{j+4}, x2_{j+4})), as convert_stage
+      const __nv_bfloat16* ap = reinterpret_cast<const __nv_bfloat16*>(unit);
+      const __nv_bfloat16* bp = reinterpret_cast<const __nv_bfloat16*>(smem + lay.x2_off + slot);
+      uint32_t wd[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float lo = activation_f32<kAct>(__bfloat162float(ap[j]), __bfloat162float(bp[j]));
+        const float hi = activation_f32<kAct>(__bfloat162float(ap[j + 4]), __bfloat162float(bp[j + 4]));
+        wd[j] = bf162_bits(__floats2bfloat162_rn(lo, hi));
+      }
+      *unit = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+    } else {                    // (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7)
+      const uint4 a = *unit;
+      *unit = make_uint4(prmt(a.x, a.z, 0x5410), prmt(a.x, a.z, 0x7632),
+                         prmt(a.y, a.w, 0x5410), prmt(a.y, a.w, 0x7632));
+    }
+  }
+  __syncthreads();
+
+  // ---- main loop: chunk cc of this warp's tile; stage cc mod kStagesM1 ----
+  SegmentSums<1> sums;
+  if (warp_has_rows) {
+    const uint8_t* xs = smem + lay.x_off + t * 16;             // + chunk · 256 + word · 64
+    const int lane_w = ring + g * kRowBytes + t * 16;
+    const int lane_s = ring + kTileN * kRowBytes + g * kScaleBytes + 2 * t;
+    int cur = 0, fill = kStagesM1 - 1, seg_left = plan.seg_chunks;
+    for (int cc = 0; cc < chunks; ++cc) {
+      cp_async_wait<kStagesM1 - 2>();   // chunk cc (this lane's pieces) landed
+      __syncwarp();                     // … every lane's; the warp is done with chunk cc − 1's stage
+      if (cc + kStagesM1 - 1 < chunks) issue(fill);
+      cp_async_commit();
+      const int st = cur * kWarpStageBytes;
+      auto xfrag = [&](int w, int) { return *reinterpret_cast<const uint4*>(xs + cc * kXRowBytes + w * 64); };
+      if (wt.tiled) mma_chunk<1, true>(sums.acc, smem + lane_w + st, smem + lane_s + st, xfrag);
+      else mma_chunk<1, false>(sums.acc, smem + lane_w + st, smem + lane_s + st, xfrag);
+      if (--seg_left == 0 || cc + 1 == chunks) {
+        sums.finish_segment(splits, plan);
+        seg_left = plan.seg_chunks;
+      }
+      fill = cur;
+      cur = cur + 1 == kStagesM1 ? 0 : cur + 1;
+    }
+  }
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  store_rows<1>(args, wt, plan, sums, row0, smem);
+}
+
+// Split-K partials in shared memory (store_rows) for a launch of `splits` CTAs per row group.
+int partial_bytes(dim3 grid, const SplitPlan& plan, int warps, int mt) {
+  return (grid.x > 1 ? plan.segs_per_cta : 0) * warps * kTileN * mt * 8 * static_cast<int>(sizeof(float));
+}
+
+// One launch of a GEMV kernel: cluster of the S splits, programmatic dependent launch (a plain
+// launch where refused), the dynamic shared memory opted in above 48 KB once per device and
+// kernel (`opted_in`: the first call is normally eager; later ones, e.g. under graph capture,
+// make no attribute call).
+template <typename Kernel>
+cudaError_t launch_kernel(Kernel kernel, int (&opted_in)[kMaxDevices], const W4A16GemvArgs& a, dim3 grid,
+                          int warps, int groups0, SplitPlan plan, int smem, cudaStream_t stream) {
   int dev = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
   if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
@@ -537,8 +765,7 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
     ++num_attrs;
   }
   // Programmatic dependent launch: the prologue's weight loads overlap the previous kernel's
-  // tail (the kernel waits for it before touching activations or outputs). A plain launch
-  // where the attribute is refused.
+  // tail (the kernel waits for it before touching activations or outputs).
   attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
@@ -550,9 +777,39 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
   return last_launch_error();
 }
 
+template <int MT, bool kVec, GemvAct kAct>
+cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0,
+                            SplitPlan plan, cudaStream_t stream) {
+  const StageLayout lay = stage_layout(warps, MT, kAct != GemvAct::kPlain);
+  static int opted_in[kMaxDevices] = {};
+  return launch_kernel(w4a16_gemv_kernel<MT, kVec, kAct>, opted_in, a, grid, warps, groups0, plan,
+                       std::max(kStages * lay.bytes, partial_bytes(grid, plan, warps, MT)), stream);
+}
+
+// The one-row kernel's shared memory (0: it does not apply — M > 1, the generic path, or a
+// K range too long to hold; those take w4a16_gemv_kernel).
+constexpr int kM1MaxSmem = 160 * 1024;
+int m1_smem(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, const SplitPlan& plan) {
+  if (a.m != 1 || !vec) return 0;
+  const int bytes = std::max(m1_layout(warps, plan.seg_chunks * plan.segs_per_cta, a.act != GemvAct::kPlain).bytes,
+                             partial_bytes(grid, plan, warps, 1));
+  return bytes <= kM1MaxSmem ? bytes : 0;
+}
+
+template <GemvAct kAct>
+cudaError_t launch_m1(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0, SplitPlan plan, int smem,
+                      cudaStream_t stream) {
+  static int opted_in[kMaxDevices] = {};
+  return launch_kernel(w4a16_gemv_m1_kernel<kAct>, opted_in, a, grid, warps, groups0, plan, smem, stream);
+}
+
 template <int MT, GemvAct kAct>
 cudaError_t launch_act(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, int groups0,
                        SplitPlan plan, cudaStream_t stream) {
+  if constexpr (MT == 1) {
+    const int smem = m1_smem(a, vec, grid, warps, plan);
+    if (smem > 0) return launch_m1<kAct>(a, grid, warps, groups0, plan, smem, stream);
+  }
   return vec ? launch_instance<MT, true, kAct>(a, grid, warps, groups0, plan, stream)
              : launch_instance<MT, false, kAct>(a, grid, warps, groups0, plan, stream);
 }

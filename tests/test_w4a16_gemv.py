@@ -508,14 +508,15 @@ def _tiled(q: NVFP4Weight) -> NVFP4Weight:
 
 def test_tile_for_gemv_layout_cpu():
     """Byte map of the tiled layout (csrc/w4a16_gemv.h): tile t's chunk c of row 16t + r at
-    16t·C·b + c·r_t·b + r·b, r_t = min(16, N − 16t), for b = 64 (packed) and 8 (scales)."""
-    from atlas.nvfp4 import tile_for_gemv
+    16t·C·b + c·r_t·b + r·b, r_t = min(16, N − 16t), for b = 64 (packed, its words in
+    gemv_word_bits order) and 8 (scales)."""
+    from atlas.nvfp4 import gemv_word_bits, tile_for_gemv
     for n, k in [(1, 128), (17, 256), (33, 384), (48, 128), (5, 512)]:
         q = random_weight(n, k, key=("tile", n, k))
         p, s = tile_for_gemv(q)
         assert p.shape == (n, k // 128, 64) and s.shape == (n, k // 128, 8) and s.dtype == torch.float8_e4m3fn
         flat = {64: p.reshape(-1), 8: s.view(torch.uint8).reshape(-1)}
-        src = {64: q.packed, 8: q.block_scale.view(torch.uint8)}
+        src = {64: gemv_word_bits(q.packed), 8: q.block_scale.view(torch.uint8)}
         c_n = k // 128
         for b in (64, 8):
             for row in range(n):
@@ -527,6 +528,36 @@ def test_tile_for_gemv_layout_cpu():
     with pytest.raises(ValueError, match="multiple of 128"):
         tile_for_gemv(random_weight(4, 48, key="tile48"))
     assert random_weight(4, 128, key="cpu").prepare_gemv().gemv_operands()[0].dim() == 2   # CPU: no-op
+
+
+def _u32(b: torch.Tensor) -> torch.Tensor:
+    b = b.reshape(-1, 4).to(torch.int64)
+    return b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+
+
+def test_gemv_word_bits_dequant_cpu():
+    """The kernel's two dequantizations, emulated on int64 words: dequant_word on checkpoint
+    words (register i = the bf16x2 bits of (code i, code i + 4) · 2^-126) and dequant_word_tiled
+    on gemv_word_bits words give the same registers — for every code value at every position
+    (each byte of the word swept through 0..255 with random others) and random words."""
+    from atlas.nvfp4 import GEMV_WORD_ROTATIONS, gemv_word_bits
+    g = torch.Generator().manual_seed(7)
+    words = torch.randint(0, 256, (4096, 4), generator=g, dtype=torch.int64)
+    sweep = torch.randint(0, 256, (4, 256, 4), generator=g, dtype=torch.int64)
+    for j in range(4):
+        sweep[j, :, j] = torch.arange(256)
+    packed = torch.cat([words, sweep.reshape(-1, 4)]).to(torch.uint8)
+    q, t = _u32(packed), _u32(gemv_word_bits(packed))
+    m32 = 0xFFFFFFFF
+
+    def rotr(x, r):
+        return ((x >> r) | (x << (32 - r))) & m32 if r else x
+
+    for i, (r, s) in enumerate(GEMV_WORD_ROTATIONS):
+        v = (q << (12 - 4 * i)) & m32
+        want = (v & 0x80008000) | ((v >> 6) & 0x01C001C0)
+        got = (rotr(t, r) & 0x01C001C0) | (rotr(t, s) & 0x80008000)
+        assert torch.equal(got, want), f"register {i}"
 
 
 @pytest.mark.cuda
