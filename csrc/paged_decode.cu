@@ -101,6 +101,9 @@
 //       elements), one barrier, level 2 from smem: register chains of 8 + 16 steps instead of
 //       ~3500 clk of smem-dependent serial phases, and CTAs small enough (128 threads, 2 KB
 //       smem) to become resident beside the attention CTAs under PDL. Same bits.
+//   v5  The block ids of a CTA's prologue tiles are prefetched into L1 right after pdl_wait,
+//       beside the Q and seq_lens loads, at the positions the two common chunk sizes give
+//       (256, 128): the first KV copies then wait two dependent round trips instead of three.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -193,6 +196,9 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool v
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 4 : 0));
 }
+// L1 prefetch of a global line (generic address; no fault, no register result): warms the L1
+// for an __ldg issued later, so that load does not wait a dependent round trip of its own.
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.L1 [%0];\n" ::"l"(p)); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -330,6 +336,29 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   pdl_wait();
   pdl_launch_dependents();
 
+  // -- block ids of the prologue tiles, prefetched into L1 before seq_len is known (v5). The
+  //    copies need seq_len → split plan → block id → KV: three dependent round trips before the
+  //    first KV byte. Guessing the chunk — kPagedDecodeMinSplitLen, exact for every L in
+  //    (4K, 256·cap] (up to 32K at nkv ≤ 2), and kPagedDecodeShortSplitLen, exact for most
+  //    L ≤ 2K — puts the block-id fetch beside the seq_lens and Q loads; load_tile's __ldg
+  //    then hits L1. A wrong guess costs a wasted prefetch.
+  const int32_t* block_table = a.block_tables + (int64_t)b * a.max_blocks;   // [max_blocks]
+  auto block_index = [&](int p) {               // p / bs for 0 ≤ p < 2^31
+    return pb.bs_mul ? (int)(__umulhi((uint32_t)p, pb.bs_mul) >> pb.bs_shr) : p;
+  };
+  if (tid % (kThreads / kTileN) == 0) {         // one thread per tile row
+    const int row = tid / (kThreads / kTileN), first = unit * pb.splits_per_cta;
+#pragma unroll
+    for (int guess = 0; guess < 2; ++guess) {
+      const int begin = first * (guess == 0 ? kPagedDecodeMinSplitLen : kPagedDecodeShortSplitLen);
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        const int idx = block_index(begin + s * kTileN + row);
+        if (idx < a.max_blocks) prefetch_l1(block_table + idx);
+      }
+    }
+  }
+
   // -- Q as 16-column units (unit u: row u / (hd/16), columns 16·(u % (hd/16)) ..+15): every
   //    load of a batch is issued at once, here, beside the seq_lens load; the smem stores come
   //    after the first KV copies are queued. v1 staged Q row by row (a loop per row): 8 rows
@@ -411,7 +440,6 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
       last_pos[mt][hh] = min(seq_len - a.q_len + j, kv_end - 1);
     }
 
-  const int32_t* block_table = a.block_tables + (int64_t)b * a.max_blocks;
   // -- load: tile `tile` of this split → stage `stage` (cp.async, zero-filled when invalid).
   //    Copy ownership: thread tid copies tile row tid / 4 (4 threads per row, 32 rows), chunks
   //    c = 4k + tid % 4 (a warp instruction covers 8 rows × 64 contiguous bytes), and for FP8
@@ -430,7 +458,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   auto load_tile = [&](int tile, int stage) {
     const int pos = kv_begin + tile * kTileN + copy_row;
     const int p = min(pos, kv_end - 1);                        // kv_end > kv_begin here
-    const int blk_idx = pb.bs_mul ? (int)(__umulhi((uint32_t)p, pb.bs_mul) >> pb.bs_shr) : p;
+    const int blk_idx = block_index(p);
     const int blk = __ldg(block_table + blk_idx);
     const bool ok = pos < kv_end && (unsigned)blk < (unsigned)a.num_blocks;
     const int64_t cache_pos = (int64_t)blk * a.block_size + (pos - blk_idx * a.block_size);
