@@ -10,39 +10,45 @@
 //   with a shared expert: out[t] = bf16(that + sigmoid(shared_gate[t]) · shared[t])  (bf16 out)
 //
 // Why grouped: routing stays on the device (ids from ops.moe_route), so the host never learns
-// which experts run. v3 groups the T·k pairs by expert on the device and runs each expert hit
+// which experts run. The T·k pairs are grouped by expert on the device and each expert hit runs
 // ONCE for all its pairs on tensor cores: an expert's weights stream from DRAM once whatever the
 // number of tokens that picked it, and its pairs are the n8 columns of the mma (swap-AB, as
 // w4a16_gemv: weight rows are the 16-row A operand, activation rows the B operand).
 //
 // Four launches, all with programmatic dependent launch (common/pdl.cuh):
-//   1. group (1 CTA, 256 threads): counting sort of the valid pairs by expert id → num_groups,
-//      expert[s] (ascending ids, s < num_groups ≤ G = min(T·k, E)), start[s] .. start[s+1] the
-//      group's slice of pairs[] (pair indices p, ascending inside a group: stable). Counts by
-//      shared-memory atomics (order-free), one block scan (experts in contiguous runs per thread),
-//      then warp 0 scatters the pairs 32 at a time in pair order (__match_any_sync ranks lanes
-//      with the same expert), so the lists are deterministic. Fixed grid, buffers sized for the
-//      worst case G: no host sync, graph-capturable. Replaces v2's torch argsort "pair sort".
-//   2. gate_up: grid (I / 32, G), 256 threads = 2 K groups × 4 tile warps, one 16-row A tile
-//      each. CTA (x, s) runs group s (exits at once when s ≥ num_groups): tile warps 2j and
-//      2j+1 own the gate and the up rows n = 32x + 16j .. +16, so silu(g)·u fuses in the
-//      epilogue (the up warp hands bf16(u) to the gate warp through 2 KB of smem); K group kg
-//      computes the 128-k chunks c ≡ kg (mod 2) and the two partials are added acc_0 + acc_1
-//      through smem (an order fixed by K alone). One tile per warp and 2 K groups, not (gate,
-//      up) per warp: B = 1 has only 9 × 512 / 16 = 288 gate+up tile pairs, and the
-//      dequant-bound warps need several per scheduler (528) to keep the H200's issue slots
-//      busy: 1152 warps, each an 8-chunk dequant chain instead of 16.
-//      Columns = the group's pairs, B row = x[p / k]; MT = ceil(T/8) ≤ 4 n8 tiles
-//      (template, picked at launch from T), of which ceil(M/8) are live for a group of M pairs
-//      (warp-uniform branch: a 1-pair group issues 1 mma tile, not MT); a group of M > 8·MT
-//      pairs (T > 32, or repeated ids in a row) loops over 8·MT-column passes, re-streaming the
-//      expert (from L2). Stores act[p, n] = bf16(silu(bf16(g)) · bf16(u)).
-//   3. down: grid (ceil(h / 64), G), 4 warps, one 16-row tile of h rows each; B row = act[p];
-//      stores d[p, n] = bf16(dot) into a [T·k, h] bf16 scratch.
+//   1. group (1 CTA, 256 threads): counting sort of the valid pairs by expert into RECORDS: an
+//      expert with c pairs gets ceil(c / C) consecutive records (C = 8·MT columns), record r =
+//      {expert, rows = its pairs (1..C), the expert's global scales per role} and pairs[r][0..rows)
+//      in ascending pair order; experts in ascending id order; num_records = R. Counts by
+//      shared-memory atomics (order-free), one block scan of the records per expert, then warp 0
+//      scatters the pairs 32 at a time in pair order (__match_any_sync ranks lanes with the same
+//      expert), so the lists are deterministic. Buffers sized for the worst case R ≤ min(T·k, E)
+//      + T·k / C + 1: no host sync, graph-capturable.
+//   2. gate_up, 3. down: PERSISTENT grouped GEMVs. A job is (record r, row tile x): 64 weight
+//      rows of expert e for the record's ≤ C pairs, jobs J = r·tiles + x. The grid is fixed
+//      from the host (SMs × resident CTAs per SM, at most the jobs bound); CTA b runs jobs b,
+//      b + grid, b + 2·grid, … < R·tiles (so the CTAs running at one time share records: nearby
+//      rows of one expert), as ONE stream of 128-k chunks through one cp.async ring: the next
+//      jobs' first chunks are in flight while this job's last ones are computed, so a job
+//      boundary costs no DRAM round trip and no launch. A job's record (expert, rows, scales,
+//      its C pair ids) is loaded into warp 0's registers one job ahead and written to a smem
+//      job slot (kMetaSlots in a ring) before the step that first issues its chunks.
+//      gate_up: 256 threads = 2 K groups × 4 tile warps, one 16-row A tile each; tiles = I / 32.
+//      Tile warps 2j and 2j+1 own the gate and the up rows n = 32x + 16j .. +16, so silu(g)·u
+//      fuses in the epilogue (the up warp hands bf16(u) to the gate warp through 2 KB of smem);
+//      K group kg computes the 128-k chunks c ≡ kg (mod 2) and the two partials are added
+//      acc_0 + acc_1 through smem (an order fixed by K alone). Columns = the record's pairs, B
+//      row = x[p / k]. Stores act[p, n] = bf16(silu(bf16(g)) · bf16(u)).
+//      down: 128 threads, 4 tile warps; rows n = 64x + 16·tw .. +16, tiles = ceil(h / 64);
+//      B row = act[p]; stores d[p, n] = bf16(dot) into a [T·k, h] bf16 scratch.
+//      MT (template, from T at launch): 1 for T ≤ 64 (C = 8: the stage is 6.5 KB, so 8 stages
+//      fit 4 CTAs per SM; an expert hit by c > 8 pairs, at B = 32 only the shared expert,
+//      becomes ceil(c/8) records whose jobs run side by side and re-read it from L2), 4 above
+//      (C = 32). Of a record's MT n8 tiles ceil(rows/8) are live (warp-uniform branch).
 //   4. combine: grid (ceil(h / 1024), T), 128 threads × 8 columns: out[t] = Σ_j in slot order
-//      (skipping out-of-range ids) + the shared-expert term, as v2's down epilogue did.
+//      (skipping out-of-range ids) + the shared-expert term.
 //
-// Grouped GEMV (2, 3) per CTA and 128-k chunk (K = h for gate_up, I for down):
+// Grouped GEMV (2, 3) per job and 128-k chunk (K = h for gate_up, I for down):
 //   A tile: lane (g = lane/4, t = lane%4) holds rows g and g+8 of its warp's tile and the 32
 //     contiguous k [32t, 32t+32) of each (NVFP4: one 16-byte smem load + 2 scale bytes
 //     per row; BF16: one 16-byte load per word). K permutation, dequant (exact e2m1 · scale ·
@@ -51,31 +57,30 @@
 //     step (w, h) pairs physical k (8w+2h, 8w+2h+4) and (8w+2h+1, 8w+2h+5) + 32t; the B
 //     fragment is the 16-byte activation unit k 32t+8w .. +8 of row g, permuted by 4 prmt at
 //     read time (BF16 weights get the same permutation).
-//   pipeline: kStages cp.async stages of one 128-k chunk (Format::stages: NVFP4 down 6 at
-//     MT = 1, else 4, gate_up 8 / 6; BF16 4 / 3, 6 / 4; smem for at most K's chunk count), one
-//     barrier per step of KG chunks (the K groups compute them side by side). A stage holds 64
-//     weight rows × 64 B (NVFP4) | 256 B (BF16), 64 × 8 scale bytes (NVFP4), 8·MT activation
-//     rows × 256 B (16-byte units swizzled by bf16_unit_slot: conflict-free fragment loads).
-//     Copies: 128 threads × 2 (NVFP4) | 8 (BF16) 16-byte weight pieces per chunk (contiguous
-//     per row: conflict-free smem writes) through a table of the CTA's 64 row pointers in smem,
-//     8 scale bytes per thread < 64 (K % 128 == 0; else 16-bit loads, synchronous: only odd test
-//     shapes take it), one 16-byte unit per live activation row per 16 threads. K tails
-//     (K % 32 == 0) zero-fill weights and activations. ptxas: 86–122 registers under
-//     __launch_bounds__(128, 4) (down) / (256, 2) (gate_up), no spills.
-//   Activation rows ≥ the pass's M are never written (stale smem): they feed only mma columns
-//     ≥ M, which are never stored (mma columns are independent dot products).
-//   PDL: gate_up waits for the grouping kernel before reading anything. down reads the group
-//     tables and prefetches its first kStages − 1 chunks of weights BEFORE griddepcontrol.wait:
-//     it is launched only once every gate_up CTA has executed launch_dependents or exited, and
-//     every gate_up CTA does either only after its own wait, which returns once the grouping grid
-//     has completed. Every CTA of every launch waits before it exits, so each grid's completion
+//   pipeline: the CTA's jobs are one flat sequence of positions, ceil(nc / KG)·KG per job (nc =
+//     ceil(K / 128) chunks; positions ≥ nc of a job are empty when KG ∤ nc); kStages cp.async
+//     stages (Format::stages), position q in stage q % kStages; one commit group per position;
+//     step s computes positions s·KG + kg (K group kg) and issues positions s·KG + kStages − KG
+//     + j (j < KG) after one barrier. A stage holds 64 weight rows × 64 B (NVFP4) | 256 B (BF16),
+//     64 × 8 scale bytes (NVFP4), 8·MT activation rows × 256 B (16-byte units swizzled by
+//     bf16_unit_slot: conflict-free fragment loads). Copies: 16-byte weight pieces (contiguous
+//     per row: conflict-free smem writes), 8 scale bytes per thread < 64 (K % 128 == 0; else
+//     16-bit loads, synchronous: only odd test shapes take it), one 16-byte unit per live
+//     activation row per 16 threads. K tails (K % 32 == 0) zero-fill weights and activations.
+//   Activation rows ≥ the record's rows are never written (stale smem): they feed only mma
+//     columns ≥ rows, which are never stored (mma columns are independent dot products).
+//   PDL: gate_up waits for the grouping kernel before reading anything. down reads the records
+//     and issues its first kStages − 1 chunks of weights BEFORE griddepcontrol.wait: it is
+//     launched only once every gate_up CTA has executed launch_dependents or exited, and every
+//     gate_up CTA does either only after its own wait, which returns once the grouping grid has
+//     completed. Every CTA of every launch waits before it exits, so each grid's completion
 //     implies its predecessors' (the workspace may be reused by the stream's next op).
 //
 // Batch invariance: a pair's dot is the same bits whatever else is in the batch — its column's
 // mma sequence (chunks in order, 8 steps each; gate_up: the even and the odd chunks in two
-// partials, then acc_0 + acc_1) depends on K only, not on MT, on the column it lands in, or on
-// the pass; the combine sums slots in order j. Tested bitwise (one token alone ==
-// that token inside a 32-token batch sharing all its experts).
+// partials, then acc_0 + acc_1) depends on K only, not on MT, on the column or record it lands
+// in, or on the CTA that runs the job; the combine sums slots in order j. Tested bitwise (one
+// token alone == that token inside a 32-token batch sharing all its experts).
 //
 // Versions (bench: python bench/bench_mtp.py --parts; tests: tests/test_moe_route.py,
 // csrc/tests/test_mtp_kernels.cu):
@@ -83,21 +88,19 @@
 //   v2: load phase for all of a warp's dots before the math; pairs sorted by expert by a torch
 //       argsort so shared experts re-read from L2; down grid tokens-fastest. H200 (35B-A3B MTP
 //       head): 43.8 µs at B = 1 (+ 9.0 sort), 733 µs at B = 32 (+ 20.6 sort).
-//   v3 (this): device grouping + tensor-core grouped GEMVs (an expert read once for all its
-//       pairs) + combine; 4 launches, no torch sort. BF16 stacks run the same mma kernel (weights
-//       straight from smem, no dequant), slower than NVFP4 per byte but correct.
+//   v3: device grouping + tensor-core grouped GEMVs (an expert read once for all its pairs) +
+//       combine; 4 launches, no torch sort; grid (row tiles, G = min(T·k, E) group slots).
+//       H200: 22.4 µs at B = 1, 188.5 at B = 32 (0.37 of copy bandwidth): ≈ 95 of the 257
+//       slots empty at B = 32 (4500 CTAs that only read the tables), and every CTA paid two
+//       dependent table round trips + a cold pipeline fill + a drain for 18 KB (down) or 72 KB
+//       (gate_up) of weights.
+//   v4 (this): persistent CTAs over (record, row tile) jobs, one chunk stream across jobs;
+//       records of ≤ 8·MT pairs from the grouping kernel; MT = 1 up to T = 64. Same bits as v3.
 //
 // Floor: bytes = (experts hit) · (2·I·h + h·I) · B_w (B_w = 9/16 NVFP4, 2 BF16) + x, act, d, out.
 //   35B-A3B (h 2048, I 512, top-8 of 256 + the shared expert as slot 8), NVFP4: B = 1: 9 experts
 //   × 1.77 MB = 15.9 MB → 3.8 µs at 4.2 TB/s; B = 32: ≈ 163 distinct experts × 1.77 MB ≈ 289 MB
 //   → ≈ 69 µs.
-// v3 prediction (graph replay, L2 warm as bench_mtp --parts measures): B = 1 ≈ 9 µs (group ≈ 2,
-//   gate_up ≈ 2.5–3: 144 CTAs × 8 warps ≈ 2 warps per scheduler, each an 8-chunk dequant chain
-//   (≈ 210 instructions per chunk), 6 chunks = 28 KB in flight per CTA; down ≈ 1.5:
-//   its 5.3 MB prefetched under gate_up; combine ≈ 1.5; the rest PDL launch gaps); B = 32 ≈
-//   105 µs (≈ 0.7 of copy bandwidth on 289 MB: ≈ 210 warp-instructions per chunk and warp for
-//   1152 weight bytes (dequant ≈ 150), ≈ 75% of the H200's issue rate at copy bandwidth, plus
-//   the G − num_groups ≈ 95 empty group slots' CTAs).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -111,114 +114,118 @@
 namespace atlas {
 namespace {
 
+constexpr int kMaxMT = 4;              // n8 tiles: ≤ 32 columns (pairs) per record
+constexpr int kMt1MaxTokens = 64;      // T up to which records hold 8 pairs (MT = 1); above: 32
+
+// n8 column tiles per record, a function of T only (the bits never depend on it).
+int plan_mt(int64_t num_tokens) { return num_tokens <= kMt1MaxTokens ? 1 : kMaxMT; }
+
 // ---- workspace --------------------------------------------------------------------------------
 
 // Byte offsets of the scratch buffers inside args.workspace (each 256-byte aligned).
 struct Workspace {
-  size_t num_groups;   // int32 [1]
-  size_t expert;       // int32 [G]       expert id of group s, ascending
-  size_t start;        // int32 [G + 1]   group s = pairs[start[s] .. start[s+1])
-  size_t pairs;        // int32 [T·k]     valid pair indices p = t·k + j, grouped, ascending per group
-  size_t act;          // bf16 [T·k, I]   silu(g)·u per pair (rows of invalid pairs never written)
-  size_t d;            // bf16 [T·k, h]   down output per pair (idem)
+  size_t num_records;   // int32 [1]       R
+  size_t info_gate_up;  // int4 [R_max]    record r: {expert, rows, bits(gate gs), bits(up gs)}
+  size_t info_down;     // int4 [R_max]    record r: {expert, rows, bits(down gs), 0}
+  size_t pairs;         // int32 [R_max, C] pair ids of record r (columns ≥ rows never written)
+  size_t act;           // bf16 [T·k, I]   silu(g)·u per pair (rows of invalid pairs never written)
+  size_t d;             // bf16 [T·k, h]   down output per pair (idem)
   size_t bytes;
+  int mt;               // n8 tiles per record, C = 8·mt columns
+  int max_records;      // R_max = min(T·k, E) + T·k / C + 1 ≥ Σ_e ceil(c_e / C)
 };
 
 Workspace workspace_layout(int64_t num_tokens, int top_k, int num_experts, int hidden, int inter) {
   auto align = [](size_t v) { return (v + 255) / 256 * 256; };
-  const size_t pairs = static_cast<size_t>(num_tokens) * top_k;
-  const size_t groups = std::min(pairs, static_cast<size_t>(num_experts));
+  const int64_t pairs = num_tokens * top_k;
   Workspace w;
+  w.mt = plan_mt(num_tokens);
+  const int64_t cols = 8 * w.mt;
+  w.max_records = static_cast<int>(std::min<int64_t>(pairs, num_experts) + pairs / cols + 1);
   size_t off = 0;
-  w.num_groups = off; off = align(off + sizeof(int32_t));
-  w.expert = off;     off = align(off + groups * sizeof(int32_t));
-  w.start = off;      off = align(off + (groups + 1) * sizeof(int32_t));
-  w.pairs = off;      off = align(off + pairs * sizeof(int32_t));
-  w.act = off;        off = align(off + pairs * inter * sizeof(__nv_bfloat16));
-  w.d = off;          off = align(off + pairs * hidden * sizeof(__nv_bfloat16));
+  w.num_records = off;  off = align(off + sizeof(int32_t));
+  w.info_gate_up = off; off = align(off + static_cast<size_t>(w.max_records) * sizeof(int4));
+  w.info_down = off;    off = align(off + static_cast<size_t>(w.max_records) * sizeof(int4));
+  w.pairs = off;        off = align(off + static_cast<size_t>(w.max_records) * cols * sizeof(int32_t));
+  w.act = off;          off = align(off + static_cast<size_t>(pairs) * inter * sizeof(__nv_bfloat16));
+  w.d = off;            off = align(off + static_cast<size_t>(pairs) * hidden * sizeof(__nv_bfloat16));
   w.bytes = off;
   return w;
 }
 
-struct GroupTables {
-  int32_t* num_groups;   // [1]
-  int32_t* expert;       // [G]
-  int32_t* start;        // [G + 1]
-  int32_t* pairs;        // [T·k]
+struct Records {
+  int32_t* count;   // [1]            R
+  int4* info[2];    // [R_max] each   gate_up, down: {expert, rows, bits(global scale 0), bits(1)}
+  int32_t* pairs;   // [R_max, C]
 };
 
-// ---- 1. group the pairs by expert ------------------------------------------------------------
+// ---- 1. group the pairs by expert into records -----------------------------------------------
 
 constexpr int kGroupThreads = 256;
-constexpr int kGroupStagedIds = 4096;   // ids kept in smem for the scatter warp (beyond: re-read, L2)
+constexpr int kGroupStagedIds = 2048;   // ids kept in smem for the scatter warp (beyond: re-read, L2)
 
-// grid (1), block kGroupThreads; dynamic smem (E + min(T·k, kGroupStagedIds)) int32.
+// grid (1), block kGroupThreads; dynamic smem (2·E + min(T·k, kGroupStagedIds)) int32.
 __global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(
     const int32_t* __restrict__ ids,   // [T·k]
     int num_pairs,                     // T·k
     int num_experts,                   // E
-    GroupTables g) {
+    int cols,                          // C = 8·MT pairs per record
+    const float* __restrict__ gs_gate,   // [E] NVFP4 global scales; all three nullptr for BF16 (1)
+    const float* __restrict__ gs_up,     // [E]
+    const float* __restrict__ gs_down,   // [E]
+    Records rec) {
   extern __shared__ int32_t group_smem[];
-  int32_t* cursor = group_smem;                   // [E]: count, then next free pairs[] index
-  int32_t* staged = group_smem + num_experts;     // [min(T·k, kGroupStagedIds)] ids
-  __shared__ int32_t warp_total[2][kGroupThreads / 32];   // (pairs, experts hit) per warp
+  int32_t* seen = group_smem;                        // [E]: pairs of expert e (count, then scatter cursor)
+  int32_t* first_rec = group_smem + num_experts;     // [E]: expert e's first record
+  int32_t* staged = group_smem + 2 * num_experts;    // [min(T·k, kGroupStagedIds)] ids
+  __shared__ int32_t warp_total[kGroupThreads / 32];   // records per warp
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   pdl_wait();                 // ids come from moe_route
   pdl_launch_dependents();
-  for (int e = tid; e < num_experts; e += kGroupThreads) cursor[e] = 0;
+  for (int e = tid; e < num_experts; e += kGroupThreads) seen[e] = 0;
   __syncthreads();
   const int num_staged = min(num_pairs, kGroupStagedIds);
   for (int p = tid; p < num_pairs; p += kGroupThreads) {
     const int e = ids[p];
     if (p < num_staged) staged[p] = e;
-    if (e >= 0 && e < num_experts) atomicAdd(&cursor[e], 1);
+    if (e >= 0 && e < num_experts) atomicAdd(&seen[e], 1);
   }
   __syncthreads();
 
-  // exclusive scans of (count, hit) over experts: thread tid owns experts [e0, e1)
+  // exclusive scan of the records per expert: thread tid owns experts [e0, e1)
   const int per = ceil_div(num_experts, kGroupThreads);
   const int e0 = min(tid * per, num_experts), e1 = min(e0 + per, num_experts);
-  int count = 0, hits = 0;
-  for (int e = e0; e < e1; ++e) {
-    count += cursor[e];
-    hits += cursor[e] > 0;
-  }
-  int count_incl = count, hits_incl = hits;   // inclusive over the warp
+  int mine = 0;
+  for (int e = e0; e < e1; ++e) mine += ceil_div(seen[e], cols);
+  int incl = mine;   // inclusive over the warp
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
-    const int c = __shfl_up_sync(0xffffffffu, count_incl, off), h = __shfl_up_sync(0xffffffffu, hits_incl, off);
-    if (lane >= off) {
-      count_incl += c;
-      hits_incl += h;
-    }
+    const int v = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += v;
   }
-  if (lane == 31) {
-    warp_total[0][warp] = count_incl;
-    warp_total[1][warp] = hits_incl;
-  }
+  if (lane == 31) warp_total[warp] = incl;
   __syncthreads();
-  int next = count_incl - count, slot = hits_incl - hits;
-  for (int w = 0; w < warp; ++w) {
-    next += warp_total[0][w];
-    slot += warp_total[1][w];
-  }
+  int next = incl - mine;
+  for (int w = 0; w < warp; ++w) next += warp_total[w];
   for (int e = e0; e < e1; ++e) {
-    const int c = cursor[e];
-    if (c > 0) {
-      g.expert[slot] = e;
-      g.start[slot] = next;
-      ++slot;
+    const int c = seen[e];
+    first_rec[e] = next;
+    const bool hit = c > 0, scaled = gs_gate != nullptr;
+    const int g0 = __float_as_int(hit && scaled ? gs_gate[e] : 1.0f);
+    const int g1 = __float_as_int(hit && scaled ? gs_up[e] : 1.0f);
+    const int g2 = __float_as_int(hit && scaled ? gs_down[e] : 1.0f);
+    for (int q = 0; q * cols < c; ++q, ++next) {
+      const int rows = min(cols, c - q * cols);
+      rec.info[0][next] = make_int4(e, rows, g0, g1);
+      rec.info[1][next] = make_int4(e, rows, g2, 0);
     }
-    cursor[e] = next;
-    next += c;
+    seen[e] = 0;
   }
-  if (tid == kGroupThreads - 1) {   // its run ends at E: next = valid pairs, slot = groups
-    *g.num_groups = slot;
-    g.start[slot] = next;
-  }
+  if (tid == kGroupThreads - 1) *rec.count = next;   // its run ends at E: next = R
   __syncthreads();
 
-  // scatter in pair order (stable): 32 pairs per step, lanes with the same expert ranked by lane
+  // scatter in pair order (stable): 32 pairs per step, lanes with the same expert ranked by lane;
+  // the i-th pair of expert e goes to record first_rec[e] + i / C, column i % C
   if (warp != 0) return;
   for (int base = 0; base < num_pairs; base += 32) {
     const int p = base + lane;
@@ -227,28 +234,29 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(
     const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1);
     const int leader = __ffs(peers) - 1;
     const int rank = __popc(peers & ((1u << lane) - 1u));
-    int pos = valid && lane == leader ? cursor[e] : 0;
+    int pos = valid && lane == leader ? seen[e] : 0;
     pos = __shfl_sync(0xffffffffu, pos, leader);
     if (valid) {
-      g.pairs[pos + rank] = p;
-      if (lane == leader) cursor[e] = pos + __popc(peers);
+      const int i = pos + rank;
+      rec.pairs[static_cast<int64_t>(first_rec[e] + i / cols) * cols + i % cols] = p;
+      if (lane == leader) seen[e] = pos + __popc(peers);
     }
     __syncwarp();
   }
 }
 
-// ---- 2, 3. grouped GEMV on tensor cores ------------------------------------------------------
+// ---- 2, 3. persistent grouped GEMV on tensor cores -------------------------------------------
 
 constexpr int kWarps = 4;                                 // one 16-row A tile each
 constexpr int kThreads = 32 * kWarps;
 constexpr int kTileN = 16;                                // rows of one mma A tile
-constexpr int kCtaRows = kWarps * kTileN;                 // 64 weight rows staged per CTA
-constexpr int kGateUpRows = kCtaRows / 2;                 // gate_up: 32 I-rows per CTA (gate and up)
+constexpr int kCtaRows = kWarps * kTileN;                 // 64 weight rows staged per job
+constexpr int kGateUpRows = kCtaRows / 2;                 // gate_up: 32 I-rows per job (gate and up)
 constexpr int kChunkK = 128;                              // K per pipeline stage
 constexpr int kXRowBytes = kChunkK * 2;                   // 256 activation bytes per row per chunk
 constexpr int kXUnits = kXRowBytes / 16;                  // 16 units of 8 bf16
-constexpr int kMaxMT = 4;                                 // n8 tiles: ≤ 32 columns (pairs) per pass
-static_assert(kThreads >= kCtaRows, "thread tid < 64 owns the scale bytes and row pointer of local row tid");
+constexpr int kMetaSlots = 16;                            // job slots per CTA (ring, power of 2)
+static_assert(kThreads >= kCtaRows, "thread tid < 64 owns the scale bytes of local row tid");
 
 // (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7): the K permutation of one 16-byte bf16 unit, giving
 // the B fragment (activations) or the A fragment registers (BF16 weights) of mma steps h = 0, 1.
@@ -259,14 +267,11 @@ __device__ __forceinline__ uint4 permute_unit(uint4 a) {
 // Weight formats: bytes per row per chunk, copy pieces, and the lane's A fragment of word wd.
 struct Nvfp4Format {
   static constexpr bool kScaled = true;
-  // Stages (KG = 1, 4 CTAs/SM by registers): MT = 1: 6 (5 chunks = 23 KB of weights in flight
-  // per CTA; 40 KB smem). MT > 1: 4 — the 8·MT activation rows (8 KB per stage at MT = 4)
-  // dominate the stage, and 6 stages (77 KB) would leave 2 CTAs = 8 warps per SM; 4 stages
-  // (51 KB) keep 4 CTAs/SM with 3 × 4.6 KB × 4 = 55 KB in flight. KG = 2 (2 CTAs of 8 warps per
-  // SM; KG chunks in compute): 8 / 6 (6 and 4 chunks ahead).
-  __host__ __device__ static constexpr int stages(int mt, int kg) {
-    return kg == 1 ? (mt == 1 ? 6 : 4) : (mt == 1 ? 8 : 6);
-  }
+  // Stages: the persistent CTA streams job after job through one ring, kStages − KG chunks
+  // ahead of the one it computes. MT = 1 (6.5 KB per stage): 8 — down (KG = 1) keeps 7 chunks =
+  // 32 KB of weights in flight per CTA, 4 CTAs (55 KB smem each) per SM; gate_up (KG = 2) 6
+  // chunks, 3 CTAs of 8 warps per SM. MT = 4 (12.5 KB per stage, 8 KB of it activations): 6.
+  __host__ __device__ static constexpr int stages(int mt, int) { return mt == 1 ? 8 : 6; }
   static constexpr int kRowBytes = kChunkK / 2;      // 64 packed bytes
   static constexpr int kScaleBytes = kChunkK / 16;   // 8 e4m3 block scales
   static constexpr int kPieces = kRowBytes / 16;     // 16-byte copies per row per chunk
@@ -296,7 +301,7 @@ struct Nvfp4Format {
 
 struct Bf16Format {
   static constexpr bool kScaled = false;
-  __host__ __device__ static constexpr int stages(int mt, int kg) {     // 4× the bytes per chunk of NVFP4
+  __host__ __device__ static constexpr int stages(int mt, int kg) {     // 4× the weight bytes of NVFP4
     return kg == 1 ? (mt == 1 ? 4 : 3) : (mt == 1 ? 6 : 4);
   }
   static constexpr int kRowBytes = kChunkK * 2;      // 256
@@ -324,118 +329,172 @@ struct StageLayout {
   int bytes;
 };
 
-// Pipeline depth; a launch allocates min(stages, chunks of K) of them (the ring only wraps when
-// K has more chunks than stages: down at I = 512 has 4 chunks, so 4 stages of smem).
-template <class F, int MT, int KG>
-__host__ __device__ constexpr int stage_count() { return F::stages(MT, KG); }
-
 template <class F, int MT>
 __host__ __device__ constexpr StageLayout stage_layout() {
   return StageLayout{0, kCtaRows * F::kRowBytes, kCtaRows * (F::kRowBytes + F::kScaleBytes),
                      kCtaRows * (F::kRowBytes + F::kScaleBytes) + 8 * MT * kXRowBytes};
 }
 
+// Resident CTAs per SM the launch bounds ask for: NVFP4 MT = 1 gate_up 3 × 256 threads (≤ 80
+// registers), down 4 × 128 (as many as the smem allows); else 2 (MT = 4's 6 stages of 12.5 KB
+// and BF16's 18 KB stages allow no more).
+template <class F>
+__host__ __device__ constexpr int min_blocks(int mt, int kg) {
+  return F::kScaled && mt == 1 ? (kg == 1 ? 4 : 3) : 2;
+}
+
 struct GroupedGemv {
-  const __nv_bfloat16* b;   // gate_up: x [T, h]; down: act [T·k, I] — B row of pair p: b + src(p)·K
-  ExpertStack a[2];         // gate_up: gate, up [E, I, h]; down: down, down [E, h, I]
-  GroupTables groups;
-  __nv_bfloat16* out;       // gate_up: act [T·k, I]; down: d [T·k, h]
-  int n;                    // N weight rows per expert: I | h
-  int k;                    // K: h | I (also the B row length)
+  const __nv_bfloat16* b;    // gate_up: x [T, h]; down: act [T·k, I] — B row of column c: b + src·K
+  ExpertStack a[2];          // gate_up: gate, up [E, I, h]; down: down, down [E, h, I]
+  const int32_t* num_records;   // [1] R
+  const int4* info;          // [R] this role's {expert, rows, bits(global scale of a[0]), bits(of a[1])}
+  const int32_t* pairs;      // [R, 8·MT]
+  __nv_bfloat16* out;        // gate_up: act [T·k, I]; down: d [T·k, h]
+  int n;                     // N weight rows per expert: I | h
+  int k;                     // K: h | I (also the B row length)
   int top_k;
+  int tiles;                 // row tiles per expert: I / 32 (gate_up) | ceil(h / 64) (down)
 };
 
-// grid (row tiles, G): CTA (x, s) = rows x of group s's expert for all the group's pairs.
-// Warp w: tile warp tw = w % 4 (local rows 16·tw .. +16), K group kg = w / 4 (KG K groups: group
-// kg computes the chunks c ≡ kg mod KG; the partials are summed acc_0 + acc_1 in that order).
-// gate_up: tile tw = 2j is gate rows n = 32x + 16j + (0..15), tw = 2j + 1 the up rows of the same
-// n; act[p, n] = bf16(silu(bf16(gate·x)) · bf16(up·x)). down: rows n = 64x + 16·tw + (0..15),
+// One job's record in shared memory, written by warp 0 before the step that first issues it.
+template <int kCols>
+struct JobSlot {
+  int32_t e;              // expert
+  int32_t rows;           // live columns 1..kCols
+  int32_t tile;           // row tile x
+  float gs[2];            // global scale of stack a[0], a[1] (BF16: 1)
+  int32_t pair[kCols];    // column c's pair p (c < rows): the output row
+  int32_t src[kCols];     // column c's B row: p / top_k (gate_up: the token) | p (down)
+};
+
+// grid (persistent; see the header), block 128·KG. Warp w: tile warp tw = w % 4 (local rows
+// 16·tw .. +16), K group kg = w / 4 (KG K groups: group kg computes the chunks c ≡ kg mod KG;
+// the partials are summed acc_0 + acc_1 in that order). gate_up: tile tw = 2j is gate rows
+// n = 32x + 16j + (0..15), tw = 2j + 1 the up rows of the same n; act[p, n] =
+// bf16(silu(bf16(gate·x)) · bf16(up·x)). down: rows n = 64x + 16·tw + (0..15),
 // d[p, n] = bf16(down·act[p]).
 template <class F, bool kGateUp, int MT, int KG>
-__global__ void __launch_bounds__(kThreads * KG, KG == 1 ? 4 : 2)
+__global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
     moe_grouped_gemv_kernel(const __grid_constant__ GroupedGemv p) {
   constexpr StageLayout lay = stage_layout<F, MT>();
-  constexpr int kStages = stage_count<F, MT, KG>();
+  constexpr int kStages = F::stages(MT, KG);
+  constexpr int kAhead = kStages - KG;   // positions issued ahead of a step's first
   constexpr int kCols = 8 * MT;
   constexpr int kCtaThreads = kThreads * KG;
-  static_assert(kStages >= 2 * KG, "a step consumes KG chunks and refills KG stages");
+  static_assert(kStages >= 2 * KG, "a step consumes KG positions and refills KG stages");
+  // slot (i mod kMetaSlots) is rewritten for job i only when job i − kMetaSlots's last position
+  // (≤ i's first − kMetaSlots + 1 − 1) is ≥ 2 steps behind the compute position (≥ i's first −
+  // kStages + 1): its readers (issue, compute, epilogue) have passed a barrier since.
+  static_assert(kMetaSlots >= kStages + 2 * KG + 1, "job slots outlive their readers");
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ const uint8_t* w_rows[kCtaRows];   // local row lr's first byte in the stack; nullptr: n ≥ N
-  __shared__ int32_t col_pair[kCols];           // the pair of mma column c in this pass
-  __shared__ int64_t col_src[kCols];            // element offset of column c's B row in p.b
-  __shared__ float up_s[kGateUp ? kWarps / 2 : 1][kTileN][kCols];   // gate_up: bf16(up) handed to the gate warp
+  __shared__ JobSlot<kCols> slots[kMetaSlots];
+  __shared__ float part[KG > 1 ? kWarps * MT * 4 * 32 : 1];                    // [4 warps][MT][4][32 lanes]
+  __shared__ float up_s[kGateUp ? kWarps / 2 : 1][kGateUp ? kTileN : 1][kGateUp ? kCols : 1];   // bf16(up)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int tw = warp % kWarps, kg = warp / kWarps;   // tile warp, K group
   const uint32_t smem_base = smem_u32(smem);
-  const int s = blockIdx.y, K = p.k, N = p.n;
+  const int K = p.k, N = p.n;
+  const int nc = ceil_div(K, kChunkK);            // chunks per job
+  const int nc_pad = ceil_div(nc, KG) * KG;       // positions per job
+  const bool k_vec = K % kChunkK == 0;
 
-  if constexpr (kGateUp) {     // the group tables come from the kernel just before
+  if constexpr (kGateUp) {     // the records come from the kernel just before
     pdl_wait();
     pdl_launch_dependents();
   }
-  // down: the group tables were complete before this grid launched (see the header: PDL).
-  // Slot s < G always has table entries (garbage past num_groups, unused): one round trip.
-  const int num_groups = *p.groups.num_groups;
-  const int e = p.groups.expert[s];
-  const int first = p.groups.start[s], count = p.groups.start[s + 1] - first;
-  if (s >= num_groups) {
-    if constexpr (!kGateUp) pdl_wait();   // every CTA waits before it exits
-    return;
-  }
+  // down: the records were complete before this grid launched (see the header: PDL).
+  const int num_jobs = *p.num_records * p.tiles;
+  const int cta = blockIdx.x, ctas = gridDim.x;
+  const int my_jobs = cta < num_jobs ? ceil_div(num_jobs - cta, ctas) : 0;   // jobs cta + i·ctas
+  const int total = my_jobs * nc_pad;             // positions of this CTA
 
-  // ---- the CTA's 64 weight rows: local row lr = 16·tw + r (see above); thread tid < 64 sets up
-  // local row tid.
-  const uint8_t* s_row = nullptr;   // [K/16] e4m3: row tid's block scales (NVFP4), nullptr past N
-  if (tid < kCtaRows) {
-    const int lr = tid, tile = lr / kTileN;
-    const int i = kGateUp ? tile % 2 : 0;
-    const int n = kGateUp ? blockIdx.x * kGateUpRows + (tile / 2) * kTileN + lr % kTileN : blockIdx.x * kCtaRows + lr;
-    const int64_t row = static_cast<int64_t>(e) * N + n;
-    w_rows[lr] = n < N ? static_cast<const uint8_t*>(p.a[i].weight) + row * F::row_bytes(K) : nullptr;
-    if constexpr (F::kScaled) s_row = n < N ? p.a[i].block_scale + row * (K / 16) : nullptr;
-  }
-  const int num_chunks = ceil_div(K, kChunkK);
-  const bool k_vec = K % kChunkK == 0;
+  // local weight row lr (0..63) of row tile x → its row n of the expert, in stack a[i]
+  auto row_of = [&](int x, int lr, int& i) {
+    const int tile = lr / kTileN;
+    i = kGateUp ? tile % 2 : 0;
+    return kGateUp ? x * kGateUpRows + (tile / 2) * kTileN + lr % kTileN : x * kCtaRows + lr;
+  };
 
-  // Stage at byte offset st ← chunk c's weights (and scales). Weights are constants: no kernel
-  // before this one writes them, so down issues its first chunks before griddepcontrol.wait.
-  auto issue_weights = [&](int st, int c) {
+  // ---- job records: warp 0 holds job i + 1's in registers while job i's slot is in use ----
+  int4 pf_info = make_int4(0, 0, 0, 0);   // record {expert, rows, gs bits, gs bits}
+  int pf_pair = 0;                         // lane < kCols: column lane's pair
+  auto fetch = [&](int i) {
+    if (warp == 0 && i < my_jobs) {
+      const int r = (cta + i * ctas) / p.tiles;
+      pf_info = p.info[r];
+      if (lane < kCols) pf_pair = p.pairs[static_cast<int64_t>(r) * kCols + lane];
+    }
+  };
+  auto open = [&](int i) {     // slot of job i ← the registers; then fetch job i + 1
+    if (warp == 0) {
+      JobSlot<kCols>& sl = slots[i % kMetaSlots];
+      if (lane == 0) {
+        sl.e = pf_info.x;
+        sl.rows = pf_info.y;
+        sl.tile = (cta + i * ctas) % p.tiles;
+        sl.gs[0] = __int_as_float(pf_info.z);
+        sl.gs[1] = __int_as_float(pf_info.w);
+      }
+      if (lane < kCols) {
+        sl.pair[lane] = pf_pair;
+        sl.src[lane] = kGateUp ? pf_pair / p.top_k : pf_pair;
+      }
+    }
+    fetch(i + 1);
+  };
+
+  // ---- copies of position q (job q / nc_pad, chunk q % nc_pad) into stage q % kStages ----
+  auto issue_weights = [&](const JobSlot<kCols>& sl, int st, int c) {
     const int k_rem = K - c * kChunkK;
     static_assert(kCtaRows * F::kPieces % kCtaThreads == 0, "whole pieces per thread");
 #pragma unroll
     for (int j = 0; j < kCtaRows * F::kPieces / kCtaThreads; ++j) {
       const int q = tid + kCtaThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
-      const uint8_t* row = w_rows[lr];
-      const bool ok = row != nullptr && u * F::kPieceK < k_rem;
+      int i;
+      const int n = row_of(sl.tile, lr, i);
+      const bool ok = n < N && u * F::kPieceK < k_rem;
+      const uint8_t* row = static_cast<const uint8_t*>(i ? p.a[1].weight : p.a[0].weight) +
+                           (static_cast<int64_t>(sl.e) * N + n) * F::row_bytes(K);
       cp_async16(smem_base + st + lay.w_off + F::slot(lr, u), ok ? row + c * F::kRowBytes + u * 16 : p.a[0].weight,
                  ok ? 16 : 0);
     }
     if constexpr (F::kScaled) {
       if (tid >= kCtaRows) return;
+      int i;
+      const int n = row_of(sl.tile, tid, i);
+      const uint8_t* s_row = (i ? p.a[1].block_scale : p.a[0].block_scale) +
+                             (static_cast<int64_t>(sl.e) * N + n) * (K / 16) + c * F::kScaleBytes;
       if (k_vec) {
-        cp_async8(smem_base + st + lay.s_off + tid * F::kScaleBytes,
-                  s_row != nullptr ? s_row + c * F::kScaleBytes : p.a[0].block_scale, s_row != nullptr ? 8 : 0);
+        cp_async8(smem_base + st + lay.s_off + tid * F::kScaleBytes, n < N ? s_row : p.a[0].block_scale,
+                  n < N ? 8 : 0);
       } else {   // K % 128 != 0: a row's scales are only 2-byte aligned (K/16 even)
         uint16_t* dst = reinterpret_cast<uint16_t*>(smem + st + lay.s_off + tid * F::kScaleBytes);
 #pragma unroll
         for (int j = 0; j < F::kScaleBytes / 2; ++j) {
-          const bool ok = s_row != nullptr && 32 * j < k_rem;
-          dst[j] = ok ? __ldg(reinterpret_cast<const uint16_t*>(s_row + c * F::kScaleBytes) + j) : uint16_t(0);
+          const bool ok = n < N && 32 * j < k_rem;
+          dst[j] = ok ? __ldg(reinterpret_cast<const uint16_t*>(s_row) + j) : uint16_t(0);
         }
       }
     }
   };
-  // Stage st ← chunk c's activations of the pass's `rows` columns: thread tid copies unit
-  // tid % 16 of rows tid / 16, tid / 16 + kCtaThreads / 16, …
+  // thread tid copies unit tid % 16 of activation rows tid / 16, tid / 16 + kCtaThreads / 16, …
   const int x_u = tid % kXUnits, x_r0 = tid / kXUnits;
   constexpr int kXRowStep = kCtaThreads / kXUnits;
-  auto issue_acts = [&](int st, int c, int rows) {
+  auto issue_acts = [&](const JobSlot<kCols>& sl, int st, int c) {
     const bool ok = 8 * x_u < K - c * kChunkK;
-    for (int r = x_r0; r < rows; r += kXRowStep) {
-      const __nv_bfloat16* src = p.b + col_src[r] + c * kChunkK + 8 * x_u;
+    for (int r = x_r0; r < sl.rows; r += kXRowStep) {
+      const __nv_bfloat16* src = p.b + static_cast<int64_t>(sl.src[r]) * K + c * kChunkK + 8 * x_u;
       cp_async16(smem_base + st + lay.x_off + r * kXRowBytes + bf16_unit_slot(r, x_u) * 16, ok ? src : p.b,
                  ok ? 16 : 0);
     }
+  };
+  auto issue = [&](int q, bool weights, bool acts) {
+    const int c = q % nc_pad;
+    if (q >= total || c >= nc) return;
+    const JobSlot<kCols>& sl = slots[(q / nc_pad) % kMetaSlots];
+    const int st = (q % kStages) * lay.bytes;
+    if (weights) issue_weights(sl, st, c);
+    if (acts) issue_acts(sl, st, c);
   };
 
   float acc[MT][4];
@@ -460,60 +519,14 @@ __global__ void __launch_bounds__(kThreads * KG, KG == 1 ? 4 : 2)
       }
     }
   };
-  auto stage_of = [&](int c) { return (c % kStages) * lay.bytes; };   // chunk c's stage offset
 
-  // ---- passes of ≤ 8·MT pairs (one pass unless M > 8·MT) ----
-  for (int c0 = 0; c0 < count; c0 += kCols) {
-    const int rows = min(kCols, count - c0), live_mt = ceil_div(rows, 8);
-    if (tid < rows) {
-      const int pair = p.groups.pairs[first + c0 + tid];
-      col_pair[tid] = pair;
-      col_src[tid] = static_cast<int64_t>(kGateUp ? pair / p.top_k : pair) * K;
-    }
-    __syncthreads();   // w_rows, col_pair, col_src visible; the previous pass is done with the stages
-    const bool warp_live = w_rows[row0] != nullptr;   // N % 16 == 0: the tile's rows are all in or all out
-    // prologue: chunks 0 .. kStages − KG − 1. Commit group 0 = their weights + chunk 0's
-    // activations, group q = chunk q's activations.
-#pragma unroll
-    for (int q = 0; q < kStages - KG; ++q) {
-      if (q < num_chunks) issue_weights(stage_of(q), q);
-    }
-    if (!kGateUp && c0 == 0) {   // act comes from the gate_up kernel
-      pdl_wait();
-      pdl_launch_dependents();
-    }
-#pragma unroll
-    for (int q = 0; q < kStages - KG; ++q) {
-      if (q < num_chunks) issue_acts(stage_of(q), q, rows);
-      cp_async_commit();
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[mt][q] = 0.0f;
-    }
-    // step c: chunks c .. c + KG − 1 (K group kg computes chunk c + kg); commit group q = chunk q
-    for (int c = 0; c < num_chunks; c += KG) {
-      cp_async_wait<kStages - 2 * KG>();   // this thread's copies of chunks ≤ c + KG − 1 landed
-      __syncthreads();                     // … everyone's; every warp is done with step c − KG's stages
-#pragma unroll
-      for (int j = 0; j < KG; ++j) {       // refill the stages of chunks c − KG .. c − 1
-        const int q = c + kStages - KG + j;
-        if (q < num_chunks) {
-          issue_weights(stage_of(q), q);
-          issue_acts(stage_of(q), q, rows);
-        }
-        cp_async_commit();
-      }
-      if (warp_live && c + kg < num_chunks) compute_stage(stage_of(c + kg), live_mt);
-    }
-    cp_async_wait<0>();   // only empty groups are left
-    __syncthreads();      // every warp is done with the stages (the K-group sum reuses them)
-
-    // ---- K groups: acc = acc_0 + acc_1 (fixed order: a function of K only) ----
+  // ---- a job's end: K groups summed (acc_0 + acc_1), y = acc · global_scale · 2^7 (NVFP4) |
+  // acc (BF16) rounded once to bf16; gate_up: the up warp (odd tw) hands bf16(up) to the gate
+  // warp (even tw) of the same rows, which stores act = bf16(silu(g) · u).
+  auto epilogue = [&](const JobSlot<kCols>& sl, bool live, int stack) {
+    const int rows = sl.rows, live_mt = ceil_div(rows, 8);
     if constexpr (KG == 2) {
-      float* part = reinterpret_cast<float*>(smem);   // [kWarps][MT][4][32 lanes]
-      if (kg == 1 && warp_live) {
+      if (kg == 1 && live) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -521,7 +534,7 @@ __global__ void __launch_bounds__(kThreads * KG, KG == 1 ? 4 : 2)
         }
       }
       __syncthreads();
-      if (kg == 0 && warp_live) {
+      if (kg == 0 && live) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -529,14 +542,9 @@ __global__ void __launch_bounds__(kThreads * KG, KG == 1 ? 4 : 2)
         }
       }
     }
-
-    // ---- store: y = acc · global_scale · 2^7 (NVFP4) | acc (BF16), rounded once to bf16 ----
-    // gate_up: the up warp (odd tw) hands bf16(up) of its tile to the gate warp (even tw) of the
-    // same rows through smem; the gate warp stores act = bf16(silu(g) · u).
-    const int stack = kGateUp ? tw % 2 : 0;
-    const float factor = F::kScaled ? p.a[stack].global_scale[e] * kOutBias : 1.0f;
+    const float factor = F::kScaled ? sl.gs[stack] * kOutBias : 1.0f;
     if constexpr (kGateUp) {
-      if (kg == 0 && stack == 1) {
+      if (kg == 0 && live && stack == 1) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           if (mt >= live_mt) break;
@@ -549,7 +557,7 @@ __global__ void __launch_bounds__(kThreads * KG, KG == 1 ? 4 : 2)
       }
       __syncthreads();
     }
-    if (kg == 0 && warp_live && stack == 0) {
+    if (kg == 0 && live && stack == 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if (mt >= live_mt) break;
@@ -557,22 +565,73 @@ __global__ void __launch_bounds__(kThreads * KG, KG == 1 ? 4 : 2)
         for (int q = 0; q < 4; ++q) {
           const int col = 8 * mt + 2 * t + (q & 1), r = g + 8 * (q >> 1);
           if (col >= rows) continue;
-          const int64_t out_row = static_cast<int64_t>(col_pair[col]) * N;
+          int i;
+          const int n = row_of(sl.tile, row0 + r, i);
+          __nv_bfloat16* dst = p.out + static_cast<int64_t>(sl.pair[col]) * N + n;
           const float v = __bfloat162float(__float2bfloat16(acc[mt][q] * factor));
           if constexpr (kGateUp) {
-            const float u = up_s[tw / 2][r][col];
-            p.out[out_row + blockIdx.x * kGateUpRows + (tw / 2) * kTileN + r] =
-                __float2bfloat16(v / (1.0f + expf(-v)) * u);
+            *dst = __float2bfloat16(v / (1.0f + expf(-v)) * up_s[tw / 2][r][col]);
           } else {
-            p.out[out_row + blockIdx.x * kCtaRows + tw * kTileN + r] = __float2bfloat16(acc[mt][q] * factor);
+            *dst = __float2bfloat16(acc[mt][q] * factor);
           }
         }
       }
     }
-    __syncthreads();      // every warp is done with col_pair, up_s and the partials before the next pass
-  }
-}
+  };
 
+  // ---- prologue: positions 0 .. kAhead − 1 (each job they touch opened first, a barrier making
+  // its slot visible). gate_up: commit group q = position q. down: the weights of all of them
+  // before griddepcontrol.wait (weights are constants), then the activations, group q = position
+  // q's (group 0 also carries the weights).
+  fetch(0);
+  for (int q = 0; q < kAhead; ++q) {
+    if (q < total && q % nc_pad == 0) {   // CTA-uniform
+      open(q / nc_pad);
+      __syncthreads();
+    }
+    issue(q, true, kGateUp);
+    if constexpr (kGateUp) cp_async_commit();
+  }
+  if constexpr (!kGateUp) {   // act comes from the gate_up kernel
+    pdl_wait();
+    pdl_launch_dependents();
+#pragma unroll
+    for (int q = 0; q < kAhead; ++q) {
+      issue(q, false, true);
+      cp_async_commit();
+    }
+  }
+
+  // ---- steps: compute positions q0 + kg, issue positions q0 + kAhead + j (j < KG) ----
+  for (int q0 = 0; q0 < total; q0 += KG) {
+#pragma unroll
+    for (int j = 0; j < KG; ++j) {   // jobs first issued in this step: their slots before the barrier
+      const int q = q0 + kAhead + j;
+      if (q < total && q % nc_pad == 0) open(q / nc_pad);
+    }
+    cp_async_wait<kStages - 2 * KG>();   // this thread's copies of positions ≤ q0 + KG − 1 landed
+    __syncthreads();                     // … everyone's; every warp is done with step q0 − KG's stages
+#pragma unroll
+    for (int j = 0; j < KG; ++j) {       // refill the stages of positions q0 − KG .. q0 − 1
+      issue(q0 + kAhead + j, true, true);
+      cp_async_commit();
+    }
+    const int c0 = q0 % nc_pad;          // the job's first chunk of this step
+    const JobSlot<kCols>& sl = slots[(q0 / nc_pad) % kMetaSlots];
+    int stack;
+    const bool live = row_of(sl.tile, row0, stack) < N;   // N % 16 == 0: a tile is all in or all out
+    if (c0 == 0) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[mt][q] = 0.0f;
+      }
+    }
+    if (live && c0 + kg < nc) compute_stage(((q0 + kg) % kStages) * lay.bytes, ceil_div(sl.rows, 8));
+    if (c0 + KG == nc_pad) epilogue(sl, live, stack);   // CTA-uniform: the job's last step
+  }
+  cp_async_wait<0>();   // only empty groups are left
+}
 // ---- 4. combine -------------------------------------------------------------------------------
 
 constexpr int kCombineThreads = 128;
@@ -637,68 +696,62 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(
   }
 }
 
+
 // ---- launchers --------------------------------------------------------------------------------
 
-constexpr int kMaxDevices = 64;   // per-device opt-in bookkeeping
+constexpr int kMaxDevices = 64;   // per-device bookkeeping
 
-// K groups per CTA: gate_up 2 (8 warps; B = 1 has 144 gate_up CTAs, so 1152 warps instead of
-// 576 for 528 schedulers: a warp's 16-chunk dequant chain halves), down 1 (its B = 1 grid already
-// has 288 CTAs × 4 warps, and I = 512 is only 4 chunks). A function of the role only, never of
-// T: the K order of a dot must not depend on the batch.
+// K groups per CTA: gate_up 2 (8 warps; B = 1 has 144 gate_up jobs for 132 SMs, so a warp's
+// 16-chunk dequant chain halves), down 1 (I = 512 is only 4 chunks). A function of the role
+// only, never of T: the K order of a dot must not depend on the batch.
 constexpr int kGateUpKGroups = 2;
 constexpr int kDownKGroups = 1;
 
+// Persistent grid: every CTA that fits the device at once (SMs × resident CTAs per SM for this
+// instance and smem), at most jobs_bound. Queried once per device and instance (later calls,
+// e.g. under graph capture, make no attribute call).
 template <class F, bool kGateUp, int MT>
-cudaError_t launch_grouped_gemv(const GroupedGemv& p, dim3 grid, cudaStream_t stream) {
+cudaError_t launch_grouped_gemv(const GroupedGemv& p, int jobs_bound, cudaStream_t stream) {
   constexpr int kg = kGateUp ? kGateUpKGroups : kDownKGroups;
   auto kernel = moe_grouped_gemv_kernel<F, kGateUp, MT, kg>;
-  constexpr int smem = stage_count<F, MT, kg>() * stage_layout<F, MT>().bytes;   // opt-in: the most a launch uses
-  // Opt in above the default 48 KB once per device and instance (later calls, e.g. under graph
-  // capture, make no attribute call).
-  if constexpr (smem > 48 * 1024) {
-    static bool opted_in[kMaxDevices] = {};
-    int dev = 0;
-    ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
-    if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
-    if (!opted_in[dev]) {
+  constexpr int smem = F::stages(MT, kg) * stage_layout<F, MT>().bytes;
+  static int resident[kMaxDevices] = {};   // CTAs of this instance the device holds at once
+  int dev = 0;
+  ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (resident[dev] == 0) {
+    if constexpr (smem > 48 * 1024) {   // opt in above the default 48 KB
       ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      opted_in[dev] = true;
     }
+    int per_sm = 0, sms = 0;
+    ATLAS_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads * kg, smem));
+    ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    resident[dev] = std::max(1, per_sm) * std::max(1, sms);
   }
-  // the K-group partials ([4 warps][MT][4][32] f32) reuse the first stage
-  static_assert(kWarps * MT * 4 * 32 * 4 <= stage_layout<F, MT>().bytes, "partials fit one stage");
-  const int stages = std::min(stage_count<F, MT, kg>(), ceil_div(p.k, kChunkK));
-  return launch_pdl(kernel, grid, dim3(kThreads * kg), static_cast<size_t>(stages) * stage_layout<F, MT>().bytes,
-                    stream, p);
+  const int grid = std::max(1, std::min(resident[dev], jobs_bound));
+  return launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads * kg), static_cast<size_t>(smem), stream,
+                    p);
 }
 
-// MT = n8 column tiles = ceil(T / 8) clamped to [1, 4]: a group holds ≤ T pairs when a row's ids
-// are distinct (moe_route's are); more pairs (T > 32, repeated ids) loop over passes.
 template <class F, bool kGateUp>
-cudaError_t launch_grouped_gemv_mt(int mt, const GroupedGemv& p, dim3 grid, cudaStream_t stream) {
-  switch (mt) {
-    case 1: return launch_grouped_gemv<F, kGateUp, 1>(p, grid, stream);
-    case 2: return launch_grouped_gemv<F, kGateUp, 2>(p, grid, stream);
-    case 3: return launch_grouped_gemv<F, kGateUp, 3>(p, grid, stream);
-    default: return launch_grouped_gemv<F, kGateUp, kMaxMT>(p, grid, stream);
-  }
+cudaError_t launch_grouped_gemv_mt(int mt, const GroupedGemv& p, int jobs_bound, cudaStream_t stream) {
+  return mt == 1 ? launch_grouped_gemv<F, kGateUp, 1>(p, jobs_bound, stream)
+                 : launch_grouped_gemv<F, kGateUp, kMaxMT>(p, jobs_bound, stream);
 }
 
 template <class F>
-cudaError_t launch_typed(const MoeExpertsArgs& a, const GroupTables& groups, const Workspace& ws, cudaStream_t stream) {
+cudaError_t launch_typed(const MoeExpertsArgs& a, const Records& rec, const Workspace& ws, cudaStream_t stream) {
   uint8_t* base = static_cast<uint8_t*>(a.workspace);
   auto* act = reinterpret_cast<__nv_bfloat16*>(base + ws.act);
   auto* d = reinterpret_cast<__nv_bfloat16*>(base + ws.d);
-  const int64_t pairs = a.num_tokens * a.top_k;
-  const unsigned max_groups = static_cast<unsigned>(std::min<int64_t>(pairs, a.num_experts));
-  const int mt = static_cast<int>(std::min<int64_t>(kMaxMT, ceil_div<int64_t>(a.num_tokens, 8)));
+  const int gate_up_tiles = a.inter / kGateUpRows, down_tiles = ceil_div(a.hidden, kCtaRows);
 
-  GroupedGemv gate_up{static_cast<const __nv_bfloat16*>(a.x), {a.gate, a.up}, groups, act, a.inter, a.hidden, a.top_k};
-  const dim3 gate_up_grid(static_cast<unsigned>(a.inter / kGateUpRows), max_groups);
-  ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, true>(mt, gate_up, gate_up_grid, stream)));
-  GroupedGemv down{act, {a.down, a.down}, groups, d, a.hidden, a.inter, a.top_k};
-  const dim3 down_grid(static_cast<unsigned>(ceil_div(a.hidden, kCtaRows)), max_groups);
-  ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, false>(mt, down, down_grid, stream)));
+  const GroupedGemv gate_up{static_cast<const __nv_bfloat16*>(a.x), {a.gate, a.up}, rec.count, rec.info[0],
+                            rec.pairs, act, a.inter, a.hidden, a.top_k, gate_up_tiles};
+  ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, true>(ws.mt, gate_up, ws.max_records * gate_up_tiles, stream)));
+  const GroupedGemv down{act, {a.down, a.down}, rec.count, rec.info[1], rec.pairs, d, a.hidden, a.inter, a.top_k,
+                         down_tiles};
+  ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, false>(ws.mt, down, ws.max_records * down_tiles, stream)));
   return launch_pdl(moe_combine_kernel,
                     dim3(static_cast<unsigned>(ceil_div(a.hidden, kCombineThreads * kCombineVec)),
                          static_cast<unsigned>(a.num_tokens)),
@@ -737,13 +790,16 @@ cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
   }
   const Workspace ws = workspace_layout(a.num_tokens, a.top_k, a.num_experts, a.hidden, a.inter);
   uint8_t* base = static_cast<uint8_t*>(a.workspace);
-  auto table = [&](size_t off) { return reinterpret_cast<int32_t*>(base + off); };
-  const GroupTables groups{table(ws.num_groups), table(ws.expert), table(ws.start), table(ws.pairs)};
+  const Records rec{reinterpret_cast<int32_t*>(base + ws.num_records),
+                    {reinterpret_cast<int4*>(base + ws.info_gate_up), reinterpret_cast<int4*>(base + ws.info_down)},
+                    reinterpret_cast<int32_t*>(base + ws.pairs)};
   const int pairs = static_cast<int>(a.num_tokens * a.top_k);
-  const size_t group_smem = static_cast<size_t>(a.num_experts + std::min(pairs, kGroupStagedIds)) * sizeof(int32_t);
+  const size_t group_smem = static_cast<size_t>(2 * a.num_experts + std::min(pairs, kGroupStagedIds)) * sizeof(int32_t);
   ATLAS_RETURN_IF_ERROR(launch_pdl(moe_group_kernel, dim3(1), dim3(kGroupThreads), group_smem, stream, a.ids, pairs,
-                                   a.num_experts, groups));
-  return a.nvfp4 ? launch_typed<Nvfp4Format>(a, groups, ws, stream) : launch_typed<Bf16Format>(a, groups, ws, stream);
+                                   a.num_experts, 8 * ws.mt, a.nvfp4 ? a.gate.global_scale : nullptr,
+                                   a.nvfp4 ? a.up.global_scale : nullptr, a.nvfp4 ? a.down.global_scale : nullptr,
+                                   rec));
+  return a.nvfp4 ? launch_typed<Nvfp4Format>(a, rec, ws, stream) : launch_typed<Bf16Format>(a, rec, ws, stream);
 }
 
 }  // namespace atlas

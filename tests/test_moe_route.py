@@ -147,7 +147,8 @@ def test_moe_experts_rejects():
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("t,k,e", [(1, 8, 256), (8, 8, 256), (32, 8, 256), (3, 10, 512), (5, 2, 8),
                                    (2, 20, 64), (17, 8, 256),
-                                   (64, 4, 8)])   # ≈ 32 pairs per expert: groups of > 32 take two passes
+                                   (64, 4, 8),    # ≈ 32 pairs per expert: 4 records of 8 (MT = 1)
+                                   (80, 4, 8)])   # T > 64: records of 32 pairs (MT = 4), ≈ 40 per expert
 def test_moe_experts_kernel_matches_reference(fmt, t, k, e):
     g = _gen("experts-cuda", fmt, t, k, e)
     inter, h = 512, 2048
@@ -227,6 +228,25 @@ def test_moe_experts_kernel_token_alone_equals_token_in_shared_batch(fmt, out_dt
     out = ops.moe_experts(x, ids, w, gate, up, down, out_dtype=out_dtype)
     for r in (0, 13, 31):
         one = ops.moe_experts(x[r:r + 1], ids[r:r + 1], w[r:r + 1], gate, up, down, out_dtype=out_dtype)
+        assert torch.equal(out[r:r + 1], one), f"row {r}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_moe_experts_kernel_token_alone_equals_token_in_80_token_batch(fmt):
+    """Above 64 tokens the records hold 32 pairs (MT = 4 n8 tiles) instead of 8: one token alone
+    is still bitwise the same token inside an 80-token batch sharing its experts."""
+    g = _gen("experts-alone-vs-80", fmt)
+    e, inter, h, t, k = 12, 512, 2048, 80, 8
+    (gate, up, down), _ = _stacks(g, e, inter, h, fmt)
+    gate, up, down = _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda")
+    experts = torch.randperm(e, generator=g)[:k]
+    ids = torch.stack([experts[torch.randperm(k, generator=g)] for _ in range(t)]).int().cuda()
+    x = torch.randn(t, h, generator=g).bfloat16().cuda()
+    w = torch.rand(t, k, generator=g).cuda()
+    out = ops.moe_experts(x, ids, w, gate, up, down, out_dtype=torch.bfloat16)
+    for r in (0, 33, 79):
+        one = ops.moe_experts(x[r:r + 1], ids[r:r + 1], w[r:r + 1], gate, up, down, out_dtype=torch.bfloat16)
         assert torch.equal(out[r:r + 1], one), f"row {r}"
 
 
