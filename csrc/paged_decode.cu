@@ -56,8 +56,8 @@
 //   flight, one barrier, then level 2). Single-split sequences are written directly.
 //
 // Shared memory (hd 256, bf16, M_TILES 1): 3 stages × (K + V) 32 KB + Q 8.4 KB + P 1.3 KB
-//   ≈ 107 KB → 2 CTAs per SM (v2: 190 registers). FP8 tiles are half as big (4 stages, 64 KB,
-//   76.8 KB in all → 3 CTAs per SM, v2: 162 registers).
+//   ≈ 107 KB → 2 CTAs per SM (v2: 190 registers; v6 QREG, rows ≤ 8: 237). FP8 tiles are half
+//   as big (4 stages, 64 KB, 76.8 KB in all → 3 CTAs per SM, v2: 162 registers).
 //
 // Floor (bytes moved): Σ_b L_b · nkv · hd · 2 (K and V) · elem (+ 2 · 4 per FP8 scale pair)
 //   + partial O when split (split mode: rows · hd · 4 · 2 per 256-position split ≈ 6% of bf16
@@ -104,6 +104,11 @@
 //   v5  The block ids of a CTA's prologue tiles are prefetched into L1 right after pdl_wait,
 //       beside the Q and seq_lens loads, at the positions the two common chunk sizes give
 //       (256, 128): the first KV copies then wait two dependent round trips instead of three.
+//   v6  bf16 with ≤ 8 rows (QREG): Q held in registers as the score MMAs' A fragments (rows
+//       8–15 of the m16 tile are zero padding: 2 registers per 16 hd), so a tile's ldmatrix
+//       count per warp drops from 34 to 18 at hd 256 (Q was 16 of them; with the cp.async
+//       fills, the tile's smem traffic per CTA ≈ 96 → 64 KB). 237 registers at hd 256, still
+//       2 CTAs per SM (smem-bound). Same MMA inputs, same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -302,12 +307,20 @@ __device__ __forceinline__ int o_column(int u, int which, int e, int t) {
 template <bool FP8, int M_TILES>
 constexpr int kMinCtasPerSm = M_TILES == 1 ? (FP8 ? 3 : 2) : 1;
 
-template <int HD, bool FP8, int M_TILES>
+// QREG (v6; bf16, one row tile, rows ≤ 8 — every q_len-1 decode of a GQA group ≤ 8): Q is held
+// in registers as the score MMAs' A fragments, loaded once from its smem staging, instead of
+// 16 ldmatrix.x4 per warp per tile re-reading it (hd 256: 16 of the tile's 34 ldmatrix, ~1/3
+// of its smem read traffic beside the cp.async fills). Rows 8–15 of the m16 tile are zero
+// padding, so their fragment registers (a1, a3) are the constant 0: HD/16 × 2 registers
+// (32 at hd 256) instead of × 4. The MMA inputs are the same bits as the ldmatrix'd ones, so
+// the results are too. FP8 keeps smem Q: +32 registers would cost its third CTA per SM.
+template <int HD, bool FP8, int M_TILES, bool QREG>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<FP8, M_TILES>)
 paged_decode_kernel(const __grid_constant__ Problem pb) {
   using Tr = Traits<HD, FP8>;
   constexpr int kRows = M_TILES * 16;
   constexpr int kStages = Tr::kStages;
+  static_assert(!QREG || (M_TILES == 1 && !FP8), "Q in registers: one row tile, bf16");
   const PagedDecodeArgs& a = pb.a;
 
   extern __shared__ __align__(128) uint8_t smem[];
@@ -513,6 +526,19 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     load_q(batch);
     store_q(batch);
   }
+  // QREG: rows 0–7 of each 16-column chunk as A fragments a0 (columns 2t, 2t+1) and a2 (8 + 2t,
+  // 9 + 2t) of row g; one barrier for the staged Q, then a one-off ldmatrix pass.
+  uint32_t q_frag[QREG ? HD / 16 : 1][2];
+  if constexpr (QREG) {
+    __syncthreads();                            // (Q staged) every warp's Q stores visible
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; ++kc) {
+      uint32_t r[4];
+      ldmatrix_x4(r, smem_addr(q_smem + (lane & 15) * Tr::kQStride + kc * 16 + (lane >> 4) * 8));
+      q_frag[kc][0] = r[0];                     // rows 0–7, columns 0–7 of the chunk
+      q_frag[kc][1] = r[2];                     // rows 0–7, columns 8–15 (r[1], r[3]: rows 8–15, zero)
+    }
+  }
 
   // Fused mode: the canonical level-1 fold of this CTA's splits, in registers.
   float f_acc[M_TILES][2 * Tr::kVUnits][4];
@@ -644,7 +670,11 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
           uint32_t qa[4];
-          ldmatrix_x4(qa, smem_addr(q_smem + (mt * 16 + (lane & 15)) * Tr::kQStride + kc * 16 + (lane >> 4) * 8));
+          if constexpr (QREG) {
+            qa[0] = q_frag[kc][0]; qa[1] = 0u; qa[2] = q_frag[kc][1]; qa[3] = 0u;
+          } else {
+            ldmatrix_x4(qa, smem_addr(q_smem + (mt * 16 + (lane & 15)) * Tr::kQStride + kc * 16 + (lane >> 4) * 8));
+          }
           mma_bf16(s_part[i % kChains][mt], qa, kb[i][0], kb[i][1]);
         }
       }
@@ -826,8 +856,9 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
 // trip) cost ~7 µs of B = 1 × 32K's 33.1 (ncu: 8.1 µs cold). Here the only dependent chains are
 // the register folds (8 + 16 steps of fmax, ex2, FMA: ~1000 clk in all, every smem operand
 // loaded before the level-2 chain starts). And the CTAs are small (128 threads, 2.1 KB smem,
-// 48 registers), so beside two bf16 attention CTAs per SM (217 KB smem, 48K registers) they
-// fit and launch under the attention grid (PDL) instead of after it.
+// 48 registers): beside two bf16 attention CTAs of 190 registers (217 KB smem, 48K registers)
+// they fit and are resident before the attention grid drains (PDL); beside the QREG instance
+// (237 registers, v6) or fp8's three CTAs they are placed as attention CTAs exit.
 // The alternative weighed: level 1 folded inside the attention kernel by the last CTA of each
 // 8-split group to finish (arrival counter + threadfence): at B = 1 the grid is one wave that
 // finishes together, so that fold sits on the critical path behind a fence, an atomic and a
@@ -1051,10 +1082,10 @@ size_t smem_bytes() {
          (size_t)kRows * Tr::kQStride * 2 + (size_t)kRows * kPStride * 2 + 2 * kWarps * kRows * sizeof(float);
 }
 
-template <int HD, bool FP8, int M_TILES>
+template <int HD, bool FP8, int M_TILES, bool QREG>
 cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   const size_t smem = smem_bytes<HD, FP8, M_TILES>();
-  auto kernel = paged_decode_kernel<HD, FP8, M_TILES>;
+  auto kernel = paged_decode_kernel<HD, FP8, M_TILES, QREG>;
   // > 48 KB of dynamic smem must be opted into, once per device (a host call, graph-safe).
   static bool opted_in[kMaxDevices] = {};
   int device = 0;
@@ -1076,9 +1107,13 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
 template <int HD, bool FP8>
 cudaError_t launch_rows(const Problem& pb, int m_tiles, cudaStream_t stream) {
   switch (m_tiles) {
-    case 1: return launch_instance<HD, FP8, 1>(pb, stream);
-    case 2: return launch_instance<HD, FP8, 2>(pb, stream);
-    default: return launch_instance<HD, FP8, 4>(pb, stream);  // 3 and 4 row tiles
+    case 1:
+      if constexpr (!FP8) {                     // Q in registers for ≤ 8 rows (see QREG)
+        if (pb.rows_total <= 8) return launch_instance<HD, FP8, 1, true>(pb, stream);
+      }
+      return launch_instance<HD, FP8, 1, false>(pb, stream);
+    case 2: return launch_instance<HD, FP8, 2, false>(pb, stream);
+    default: return launch_instance<HD, FP8, 4, false>(pb, stream);  // 3 and 4 row tiles
   }
 }
 
