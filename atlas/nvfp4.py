@@ -119,24 +119,17 @@ class NVFP4Weight:
         return self._derived.get("gemv_tiled") or (self.packed, self.block_scale)
 
 
-GEMV_TILE_ROWS = 16    # csrc/w4a16_gemv.h, W4A16GemvWeight: rows per tile of the tiled layout
 GEMV_CHUNK_K = 128     # K per chunk of the tiled layout
 
 
-def _tile_rows(t: Tensor, row_bytes_per_chunk: int) -> Tensor:
-    """[N, C·b] bytes → [N, C, b], regrouped so that tile i's chunk c (rows 16i .. 16i + r − 1,
-    r = min(16, N − 16i)) is r·b contiguous bytes at 16i·C·b + c·r·b."""
+def _chunk_major(t: Tensor, row_bytes_per_chunk: int) -> Tensor:
+    """[N, C·b] bytes → a [N, C, b] view (strides (b, N·b, 1)) of a chunk-major buffer: chunk c of
+    every row, rows in order, is one run of N·b bytes at c·N·b."""
     n = t.shape[0]
     c = t.shape[1] // row_bytes_per_chunk
-    full = n // GEMV_TILE_ROWS
-    rest = n - full * GEMV_TILE_ROWS
-    parts = []
-    if full:
-        parts.append(t[:full * GEMV_TILE_ROWS].reshape(full, GEMV_TILE_ROWS, c, row_bytes_per_chunk)
-                     .permute(0, 2, 1, 3).reshape(-1))
-    if rest:
-        parts.append(t[full * GEMV_TILE_ROWS:].reshape(rest, c, row_bytes_per_chunk).permute(1, 0, 2).reshape(-1))
-    return torch.cat(parts).view(n, c, row_bytes_per_chunk)
+    buf = torch.empty(c, n, row_bytes_per_chunk, dtype=t.dtype, device=t.device)   # always a copy
+    buf.copy_(t.reshape(n, c, row_bytes_per_chunk).transpose(0, 1))
+    return buf.transpose(0, 1)
 
 
 # The tiled copy also re-places the bits inside each 32-bit word (8 codes, code i = k offset i):
@@ -174,25 +167,29 @@ def gemv_word_bits(packed: Tensor) -> Tensor:
 
 
 def tile_for_gemv(q: "NVFP4Weight") -> tuple[Tensor, Tensor]:
-    """The same bytes as q, regrouped for w4a16_gemv's tiled layout (csrc/w4a16_gemv.h): each
-    16-row tile's 128-k chunks contiguous, so a warp streams one run of 16·64 packed bytes (and
-    16·8 scale bytes) per chunk instead of 16 pieces K/2 bytes apart (measured: the row-major
-    reads left DRAM at ≈ 50% of its peak on the LM heads), and each 32-bit word's codes in the
-    bit order of gemv_word_bits (cheaper dequantization).
+    """The same codes as q, laid out for w4a16_gemv (csrc/w4a16_gemv.h, "tiled"): chunk-major —
+    the 64 packed bytes (8 scale bytes) of every row's 128-k chunk c form one run over all rows,
+    so a warp's 16-row tile chunk is 1 KB contiguous and the tiles the GPU streams at the same
+    time read neighbouring memory (measured before: the checkpoint's row-major pieces left DRAM
+    ≈ 50% busy, 40 KB-apart tile-major runs ≈ 0.68–0.76 of copy bandwidth) — and each 32-bit
+    word's codes in the bit order of gemv_word_bits (cheaper dequantization).
 
     Returns:
-        (packed uint8 [N, K/128, 64], block_scale float8_e4m3fn [N, K/128, 8]); the 3-D shape
-        is what tells the kernel binding the layout.
+        (packed uint8 [N, K/128, 64], block_scale float8_e4m3fn [N, K/128, 8]): views with strides
+        (64, 64·N, 1) and (8, 8·N, 1) of chunk-major buffers; index [n, c] is row n's chunk c.
+        The 3-D strided shape is what tells the kernel binding the layout.
     Raises:
         ValueError: K % 128 != 0.
     """
     n, k = q.shape
     if k % GEMV_CHUNK_K != 0:
         raise ValueError(f"tile_for_gemv: K = {k} must be a multiple of {GEMV_CHUNK_K}")
-    packed = _tile_rows(q.packed, GEMV_CHUNK_K // 2)
-    rows_per_pass = max(1, (1 << 24) // max(1, packed[0].numel()))   # bounds the int64 temporaries
-    packed = torch.cat([gemv_word_bits(packed[i:i + rows_per_pass]) for i in range(0, n, rows_per_pass)])
-    scale = _tile_rows(q.block_scale.view(torch.uint8), GEMV_CHUNK_K // 16).view(torch.float8_e4m3fn)
+    packed = _chunk_major(q.packed, GEMV_CHUNK_K // 2)          # [N, C, 64], chunk-major storage
+    buf = packed.transpose(0, 1)                                 # [C, N, 64] contiguous
+    rows_per_pass = max(1, (1 << 24) // max(1, buf[0].numel()))  # bounds the int64 temporaries
+    for c in range(0, buf.shape[0], rows_per_pass):
+        buf[c:c + rows_per_pass] = gemv_word_bits(buf[c:c + rows_per_pass])
+    scale = _chunk_major(q.block_scale.view(torch.uint8), GEMV_CHUNK_K // 16).view(torch.float8_e4m3fn)
     return packed, scale
 
 

@@ -63,22 +63,33 @@ void quantize_nvfp4(const torch::Tensor& w,            // [N, K] bf16|f16|f32
 // ---- w4a16_gemv bindings (GEMV family) -----------------------------------------------------
 // One NVFP4 weight + its output → launcher struct; checks are a second net. The layout is told
 // by the shapes: checkpoint packed [N, K/2] + scales [N, K/16], or the tiled layout
-// (atlas/nvfp4.py tile_for_gemv) packed [N, K/128, 64] + scales [N, K/128, 8].
+// (atlas/nvfp4.py tile_for_gemv) packed [N, K/128, 64] + scales [N, K/128, 8], views of
+// chunk-major buffers.
 atlas::W4A16GemvWeight gemv_weight(const torch::Tensor& packed,        // [≥ n, K/2] | [≥ n, K/128, 64] uint8
                                    const torch::Tensor& block_scale,   // [≥ n, K/16] | [≥ n, K/128, 8] e4m3
                                    const torch::Tensor& global_scale,  // [] f32
                                    torch::Tensor& out,                 // [M, n] bf16|f32 (out)
                                    int64_t n, int64_t qg_head_dim, int64_t k, const torch::Tensor& x) {
   CHECK_CUDA_TENSOR(packed); CHECK_CUDA_TENSOR(block_scale); CHECK_CUDA_TENSOR(global_scale);
-  CHECK_CUDA_TENSOR(out); CHECK_CONTIGUOUS(packed); CHECK_CONTIGUOUS(block_scale); CHECK_CONTIGUOUS(out);
+  CHECK_CUDA_TENSOR(out); CHECK_CONTIGUOUS(out);
   const bool tiled = packed.dim() == 3;
+  // The tiled layout is a [N, C, b] view of a chunk-major [C, N, b] buffer (strides (b, N·b, 1);
+  // strides of size-1 dims are free).
+  auto chunk_major = [](const torch::Tensor& t) {
+    const int64_t n = t.size(0), c = t.size(1), b = t.size(2);
+    return t.stride(2) == 1 && (n == 1 || t.stride(0) == b) && (c == 1 || t.stride(1) == n * b);
+  };
   if (tiled) {
     TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && k % 128 == 0 && packed.size(1) == k / 128 &&
-                packed.size(2) == 64, "w4a16_gemv: tiled packed must be uint8 [N, K/128, 64] with K = ", k);
+                packed.size(2) == 64 && chunk_major(packed),
+                "w4a16_gemv: tiled packed must be a uint8 [N, K/128, 64] view of a chunk-major [K/128, N, 64] "
+                "buffer (atlas.nvfp4.tile_for_gemv) with K = ", k);
     TORCH_CHECK(block_scale.scalar_type() == at::ScalarType::Float8_e4m3fn && block_scale.dim() == 3 &&
-                block_scale.size(0) == packed.size(0) && block_scale.size(1) == k / 128 && block_scale.size(2) == 8,
-                "w4a16_gemv: tiled block_scale must be e4m3 [N, K/128, 8]");
+                block_scale.size(0) == packed.size(0) && block_scale.size(1) == k / 128 && block_scale.size(2) == 8 &&
+                chunk_major(block_scale),
+                "w4a16_gemv: tiled block_scale must be an e4m3 [N, K/128, 8] view of a chunk-major buffer");
   } else {
+    CHECK_CONTIGUOUS(packed); CHECK_CONTIGUOUS(block_scale);
     TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.size(1) * 2 == k,
                 "w4a16_gemv: packed must be uint8 [N, K/2] with K = ", k);
     TORCH_CHECK(block_scale.scalar_type() == at::ScalarType::Float8_e4m3fn && block_scale.dim() == 2 &&

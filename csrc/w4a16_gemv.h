@@ -14,16 +14,16 @@ constexpr int kW4A16GemvMaxRows = 32;  // M ≤ 32 (four mma n8 tiles)
 
 // One NVFP4 weight (DESIGN "Formats") and its output. Layout of packed / block_scale:
 //   checkpoint (tiled = false): row-major [rows, K/2] and [rows, K/16], never padded;
-//   tiled (tiled = true, K % 128 == 0 only): the same bytes regrouped so that each 16-row tile's
-//     128-k chunks are contiguous: tile t = rows 16t .. 16t + r − 1 (r = min(16, rows − 16t)),
-//     chunk c of it at byte 16t·K/2 + c·r·64 (packed, [r rows][64 B]) and 16t·K/16 + c·r·8
-//     (scales, [r rows][8 B]). A warp then streams one contiguous run per chunk instead of 16
-//     64-byte pieces 16·K/2 bytes apart (derived once at load: atlas/nvfp4.py, gemv_tiled).
+//   tiled (tiled = true, K % 128 == 0 only): chunk-major — chunk c (128 k) of every row is one
+//     run: row n's 64 packed bytes at c·rows·64 + n·64, its 8 scale bytes at c·rows·8 + n·8, and
+//     each 32-bit word's 8 codes in the bit order of atlas/nvfp4.py gemv_word_bits. A warp's
+//     16-row chunk is then 1 KB contiguous, and the tiles streamed at the same time read
+//     neighbouring memory (derived once at load: atlas/nvfp4.py tile_for_gemv).
 struct W4A16GemvWeight {
   const uint8_t* packed = nullptr;       // [rows ≥ n, K/2] uint8 (layout above), 8-byte aligned
   const uint8_t* block_scale = nullptr;  // [rows ≥ n, K/16] e4m3 bytes (layout above)
   bool tiled = false;                    // the tiled layout (requires the vector path)
-  int rows = 0;                          // tiled: the weight's row count (the tile geometry)
+  int rows = 0;                          // tiled: the weight's row count (the chunk stride)
   const float* global_scale = nullptr;   // [] f32 on the device (read by the kernel: no host sync)
   void* out = nullptr;                   // [M, n] bf16 | f32, row stride n
   int n = 0;                             // weight rows computed: the first n rows (n_rows prefix)

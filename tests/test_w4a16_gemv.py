@@ -507,24 +507,25 @@ def _tiled(q: NVFP4Weight) -> NVFP4Weight:
 
 
 def test_tile_for_gemv_layout_cpu():
-    """Byte map of the tiled layout (csrc/w4a16_gemv.h): tile t's chunk c of row 16t + r at
-    16t·C·b + c·r_t·b + r·b, r_t = min(16, N − 16t), for b = 64 (packed, its words in
-    gemv_word_bits order) and 8 (scales)."""
+    """The tiled layout (csrc/w4a16_gemv.h): [N, C, b] views (b = 64 packed, 8 scales) of
+    chunk-major buffers — element [n, c] is row n's chunk c (packed words in gemv_word_bits
+    order), stored at c·N·b + n·b."""
     from atlas.nvfp4 import gemv_word_bits, tile_for_gemv
     for n, k in [(1, 128), (17, 256), (33, 384), (48, 128), (5, 512)]:
         q = random_weight(n, k, key=("tile", n, k))
+        before = q.packed.clone()
         p, s = tile_for_gemv(q)
+        assert torch.equal(q.packed, before)                # a copy: the checkpoint tensors stay as they are
         assert p.shape == (n, k // 128, 64) and s.shape == (n, k // 128, 8) and s.dtype == torch.float8_e4m3fn
-        flat = {64: p.reshape(-1), 8: s.view(torch.uint8).reshape(-1)}
-        src = {64: gemv_word_bits(q.packed), 8: q.block_scale.view(torch.uint8)}
         c_n = k // 128
-        for b in (64, 8):
+        for t, b, src in ((p, 64, gemv_word_bits(q.packed)), (s.view(torch.uint8), 8, q.block_scale.view(torch.uint8))):
+            assert t.transpose(0, 1).is_contiguous() and t.storage_offset() == 0
+            assert torch.equal(t, src.reshape(n, c_n, b))
+            storage = t.transpose(0, 1).reshape(-1)
             for row in range(n):
-                t, r = divmod(row, 16)
-                rows_t = min(16, n - 16 * t)
                 for c in range(c_n):
-                    off = 16 * t * c_n * b + c * rows_t * b + r * b
-                    assert torch.equal(flat[b][off:off + b], src[b][row, c * b:(c + 1) * b]), (n, k, b, row, c)
+                    off = c * n * b + row * b
+                    assert torch.equal(storage[off:off + b], src[row, c * b:(c + 1) * b]), (n, k, b, row, c)
     with pytest.raises(ValueError, match="multiple of 128"):
         tile_for_gemv(random_weight(4, 48, key="tile48"))
     assert random_weight(4, 128, key="cpu").prepare_gemv().gemv_operands()[0].dim() == 2   # CPU: no-op
@@ -597,3 +598,15 @@ def test_tiled_layout_qg_bitwise(m):
     assert torch.equal(ops.w4a16_gemv_qg(x, qt, nq, hd), ops.w4a16_gemv_qg(x, q, nq, hd))
     got, want = ops.w4a16_gemv_dual(x, qt, kvt, qg_head_dim=hd), ops.w4a16_gemv_dual(x, q, kv, qg_head_dim=hd)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.cuda
+def test_tiled_layout_must_be_chunk_major():
+    """A 3-D operand that is not the chunk-major view tile_for_gemv makes (e.g. a contiguous
+    [N, K/128, 64] copy) is refused with an error that names the layout."""
+    q, x = _cuda_case(64, 256, 1, key="tiled_bad")
+    p, s = _tiled(q).gemv_operands()
+    with pytest.raises(RuntimeError, match="chunk-major"):
+        torch.ops.atlas.w4a16_gemv(x, p.contiguous(), s, q.global_scale, torch.bfloat16, 64, 0)
+    with pytest.raises(RuntimeError, match="chunk-major"):
+        torch.ops.atlas.w4a16_gemv(x, p, s.contiguous(), q.global_scale, torch.bfloat16, 64, 0)
