@@ -66,7 +66,12 @@
 //     bf16_unit_slot: conflict-free fragment loads). Copies: 16-byte weight pieces (contiguous
 //     per row: conflict-free smem writes), 8 scale bytes per thread < 64 (K % 128 == 0; else
 //     16-bit loads, synchronous: only odd test shapes take it), one 16-byte unit per live
-//     activation row per 16 threads. K tails (K % 32 == 0) zero-fill weights and activations.
+//     activation row per 16 threads, from per-thread source pointers set once per job; the
+//     position, job and stage cursors advance by counters (no integer division in the loop).
+//     K tails (K % 32 == 0) zero-fill weights and activations. ptxas (NVFP4, MT = 1): gate_up 79
+//     registers under __launch_bounds__(256, 3), down 92 under (128, 4); no spills. SASS of one
+//     down step ≈ 330 instructions (dequant 153, mma + fragments ≈ 55, copies ≈ 65, cursors,
+//     slot reads and the barrier ≈ 55), ≈ w4a16_gemv v2's ≈ 280–290 per chunk.
 //   Activation rows ≥ the record's rows are never written (stale smem): they feed only mma
 //     columns ≥ rows, which are never stored (mma columns are independent dot products).
 //   PDL: gate_up waits for the grouping kernel before reading anything. down reads the records
@@ -406,7 +411,6 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
   const int num_jobs = *p.num_records * p.tiles;
   const int cta = blockIdx.x, ctas = gridDim.x;
   const int my_jobs = cta < num_jobs ? ceil_div(num_jobs - cta, ctas) : 0;   // jobs cta + i·ctas
-  const int total = my_jobs * nc_pad;             // positions of this CTA
 
   // local weight row lr (0..63) of row tile x → its row n of the expert, in stack a[i]
   auto row_of = [&](int x, int lr, int& i) {
@@ -416,13 +420,23 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
   };
 
   // ---- job records: warp 0 holds job i + 1's in registers while job i's slot is in use ----
-  int4 pf_info = make_int4(0, 0, 0, 0);   // record {expert, rows, gs bits, gs bits}
-  int pf_pair = 0;                         // lane < kCols: column lane's pair
-  auto fetch = [&](int i) {
+  // Job i of this CTA is J = cta + i·ctas = record r·tiles + tile x; (r, x) advance by
+  // (ctas / tiles, ctas % tiles) per job (no division per job).
+  const int step_r = ctas / p.tiles, step_x = ctas % p.tiles;
+  int fetch_r = cta / p.tiles, fetch_x = cta % p.tiles;   // the next job to fetch
+  int4 pf_info = make_int4(0, 0, 0, 0);   // its record {expert, rows, gs bits, gs bits}
+  int pf_pair = 0, pf_tile = 0;            // lane < kCols: its column lane's pair; its tile x
+  auto fetch = [&](int i) {                // called for i = 0, 1, 2, … in order
     if (warp == 0 && i < my_jobs) {
-      const int r = (cta + i * ctas) / p.tiles;
-      pf_info = p.info[r];
-      if (lane < kCols) pf_pair = p.pairs[static_cast<int64_t>(r) * kCols + lane];
+      pf_info = p.info[fetch_r];
+      if (lane < kCols) pf_pair = p.pairs[static_cast<int64_t>(fetch_r) * kCols + lane];
+      pf_tile = fetch_x;
+      fetch_r += step_r;
+      fetch_x += step_x;
+      if (fetch_x >= p.tiles) {
+        fetch_x -= p.tiles;
+        ++fetch_r;
+      }
     }
   };
   auto open = [&](int i) {     // slot of job i ← the registers; then fetch job i + 1
@@ -431,7 +445,7 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
       if (lane == 0) {
         sl.e = pf_info.x;
         sl.rows = pf_info.y;
-        sl.tile = (cta + i * ctas) % p.tiles;
+        sl.tile = pf_tile;
         sl.gs[0] = __int_as_float(pf_info.z);
         sl.gs[1] = __int_as_float(pf_info.w);
       }
@@ -443,58 +457,92 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
     fetch(i + 1);
   };
 
-  // ---- copies of position q (job q / nc_pad, chunk q % nc_pad) into stage q % kStages ----
-  auto issue_weights = [&](const JobSlot<kCols>& sl, int st, int c) {
-    const int k_rem = K - c * kChunkK;
-    static_assert(kCtaRows * F::kPieces % kCtaThreads == 0, "whole pieces per thread");
+  // ---- copies. Position cursor: chunk `chunk` (0 .. nc_pad − 1) of job `job`, in stage `stage`
+  // (= position mod kStages); advanced by counters, not divisions.
+  struct Pos {
+    int job, chunk, stage;
+  };
+  auto advance = [&](Pos& q) {
+    if (++q.chunk == nc_pad) {
+      q.chunk = 0;
+      ++q.job;
+    }
+    if (++q.stage == kStages) q.stage = 0;
+  };
+  // The thread's sources for the job the copies are in (set at its chunk 0 by enter): weight
+  // piece j = 16 bytes u of local row lr (q = tid + kCtaThreads·j), its scale row (tid < 64),
+  // activation unit x_u of rows x_r0 + kXRowStep·m. nullptr: row ≥ N | column ≥ rows.
+  constexpr int kWPieces = kCtaRows * F::kPieces / kCtaThreads;
+  static_assert(kCtaRows * F::kPieces % kCtaThreads == 0, "whole pieces per thread");
+  const int x_u = tid % kXUnits, x_r0 = tid / kXUnits;
+  constexpr int kXRowStep = kCtaThreads / kXUnits;
+  constexpr int kXRows = (kCols + kXRowStep - 1) / kXRowStep;
+  const uint8_t* w_src[kWPieces];
+  const uint8_t* s_src = nullptr;
+  const __nv_bfloat16* x_src[kXRows];
+  auto enter = [&](const JobSlot<kCols>& sl) {
+    const int64_t row0_e = static_cast<int64_t>(sl.e) * N;
 #pragma unroll
-    for (int j = 0; j < kCtaRows * F::kPieces / kCtaThreads; ++j) {
+    for (int j = 0; j < kWPieces; ++j) {
       const int q = tid + kCtaThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
       int i;
       const int n = row_of(sl.tile, lr, i);
-      const bool ok = n < N && u * F::kPieceK < k_rem;
-      const uint8_t* row = static_cast<const uint8_t*>(i ? p.a[1].weight : p.a[0].weight) +
-                           (static_cast<int64_t>(sl.e) * N + n) * F::row_bytes(K);
-      cp_async16(smem_base + st + lay.w_off + F::slot(lr, u), ok ? row + c * F::kRowBytes + u * 16 : p.a[0].weight,
+      w_src[j] = n < N ? static_cast<const uint8_t*>(i ? p.a[1].weight : p.a[0].weight) +
+                             (row0_e + n) * F::row_bytes(K) + u * 16
+                       : nullptr;
+    }
+    if constexpr (F::kScaled) {
+      int i;
+      const int n = row_of(sl.tile, tid % kCtaRows, i);
+      s_src = n < N ? (i ? p.a[1].block_scale : p.a[0].block_scale) + (row0_e + n) * (K / 16) : nullptr;
+    }
+#pragma unroll
+    for (int m = 0; m < kXRows; ++m) {
+      const int r = x_r0 + kXRowStep * m;
+      x_src[m] = r < sl.rows ? p.b + static_cast<int64_t>(sl.src[r]) * K + 8 * x_u : nullptr;
+    }
+  };
+  auto issue_weights = [&](int st, int c) {
+    const int k_rem = K - c * kChunkK;
+#pragma unroll
+    for (int j = 0; j < kWPieces; ++j) {
+      const int q = tid + kCtaThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
+      const bool ok = w_src[j] != nullptr && u * F::kPieceK < k_rem;
+      cp_async16(smem_base + st + lay.w_off + F::slot(lr, u), ok ? w_src[j] + c * F::kRowBytes : p.a[0].weight,
                  ok ? 16 : 0);
     }
     if constexpr (F::kScaled) {
       if (tid >= kCtaRows) return;
-      int i;
-      const int n = row_of(sl.tile, tid, i);
-      const uint8_t* s_row = (i ? p.a[1].block_scale : p.a[0].block_scale) +
-                             (static_cast<int64_t>(sl.e) * N + n) * (K / 16) + c * F::kScaleBytes;
       if (k_vec) {
-        cp_async8(smem_base + st + lay.s_off + tid * F::kScaleBytes, n < N ? s_row : p.a[0].block_scale,
-                  n < N ? 8 : 0);
+        cp_async8(smem_base + st + lay.s_off + tid * F::kScaleBytes,
+                  s_src != nullptr ? s_src + c * F::kScaleBytes : p.a[0].block_scale, s_src != nullptr ? 8 : 0);
       } else {   // K % 128 != 0: a row's scales are only 2-byte aligned (K/16 even)
         uint16_t* dst = reinterpret_cast<uint16_t*>(smem + st + lay.s_off + tid * F::kScaleBytes);
 #pragma unroll
         for (int j = 0; j < F::kScaleBytes / 2; ++j) {
-          const bool ok = n < N && 32 * j < k_rem;
-          dst[j] = ok ? __ldg(reinterpret_cast<const uint16_t*>(s_row) + j) : uint16_t(0);
+          const bool ok = s_src != nullptr && 32 * j < k_rem;
+          dst[j] = ok ? __ldg(reinterpret_cast<const uint16_t*>(s_src + c * F::kScaleBytes) + j) : uint16_t(0);
         }
       }
     }
   };
-  // thread tid copies unit tid % 16 of activation rows tid / 16, tid / 16 + kCtaThreads / 16, …
-  const int x_u = tid % kXUnits, x_r0 = tid / kXUnits;
-  constexpr int kXRowStep = kCtaThreads / kXUnits;
-  auto issue_acts = [&](const JobSlot<kCols>& sl, int st, int c) {
+  auto issue_acts = [&](int st, int c) {
     const bool ok = 8 * x_u < K - c * kChunkK;
-    for (int r = x_r0; r < sl.rows; r += kXRowStep) {
-      const __nv_bfloat16* src = p.b + static_cast<int64_t>(sl.src[r]) * K + c * kChunkK + 8 * x_u;
-      cp_async16(smem_base + st + lay.x_off + r * kXRowBytes + bf16_unit_slot(r, x_u) * 16, ok ? src : p.b,
-                 ok ? 16 : 0);
+#pragma unroll
+    for (int m = 0; m < kXRows; ++m) {
+      if (x_src[m] == nullptr) break;   // rows beyond the job's columns
+      const int r = x_r0 + kXRowStep * m;
+      cp_async16(smem_base + st + lay.x_off + r * kXRowBytes + bf16_unit_slot(r, x_u) * 16,
+                 ok ? x_src[m] + c * kChunkK : p.b, ok ? 16 : 0);
     }
   };
-  auto issue = [&](int q, bool weights, bool acts) {
-    const int c = q % nc_pad;
-    if (q >= total || c >= nc) return;
-    const JobSlot<kCols>& sl = slots[(q / nc_pad) % kMetaSlots];
-    const int st = (q % kStages) * lay.bytes;
-    if (weights) issue_weights(sl, st, c);
-    if (acts) issue_acts(sl, st, c);
+  // position q's copies (none past the CTA's jobs or in a job's padding positions)
+  auto issue = [&](const Pos& q, bool weights, bool acts) {
+    if (q.job >= my_jobs || q.chunk >= nc) return;
+    if (q.chunk == 0) enter(slots[q.job % kMetaSlots]);
+    const int st = q.stage * lay.bytes;
+    if (weights) issue_weights(st, q.chunk);
+    if (acts) issue_acts(st, q.chunk);
   };
 
   float acc[MT][4];
@@ -510,7 +558,7 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
       F::word(f, ws, row0, g, t, wd, ra, rb);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        if (mt >= live_mt) break;   // warp-uniform
+        if (mt > 0 && mt >= live_mt) break;   // warp-uniform; rows ≥ 1
         const int xr = 8 * mt + g;   // activation row (column of the mma)
         const uint4 xv = permute_unit(
             *reinterpret_cast<const uint4*>(xs + xr * kXRowBytes + bf16_unit_slot(xr, 4 * t + wd) * 16));
@@ -584,54 +632,65 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
   // before griddepcontrol.wait (weights are constants), then the activations, group q = position
   // q's (group 0 also carries the weights).
   fetch(0);
-  for (int q = 0; q < kAhead; ++q) {
-    if (q < total && q % nc_pad == 0) {   // CTA-uniform
-      open(q / nc_pad);
+  Pos is{0, 0, 0};   // issue cursor
+#pragma unroll 1
+  for (int n = 0; n < kAhead; ++n, advance(is)) {
+    if (is.job < my_jobs && is.chunk == 0) {   // CTA-uniform
+      open(is.job);
       __syncthreads();
     }
-    issue(q, true, kGateUp);
+    issue(is, true, kGateUp);
     if constexpr (kGateUp) cp_async_commit();
   }
   if constexpr (!kGateUp) {   // act comes from the gate_up kernel
     pdl_wait();
     pdl_launch_dependents();
-#pragma unroll
-    for (int q = 0; q < kAhead; ++q) {
+    Pos q{0, 0, 0};
+#pragma unroll 1
+    for (int n = 0; n < kAhead; ++n, advance(q)) {
       issue(q, false, true);
       cp_async_commit();
     }
   }
 
-  // ---- steps: compute positions q0 + kg, issue positions q0 + kAhead + j (j < KG) ----
-  for (int q0 = 0; q0 < total; q0 += KG) {
+  // ---- steps: compute positions cs + kg, issue positions is + j (j < KG), is = cs + kAhead ----
+  static_assert(kStages % KG == 0, "a step's KG positions share no stage wrap");
+  Pos cs{0, 0, 0};   // compute cursor (chunk and stage multiples of KG)
+  while (cs.job < my_jobs) {
+    {   // jobs first issued in this step: their slots before the barrier
+      Pos q = is;
 #pragma unroll
-    for (int j = 0; j < KG; ++j) {   // jobs first issued in this step: their slots before the barrier
-      const int q = q0 + kAhead + j;
-      if (q < total && q % nc_pad == 0) open(q / nc_pad);
+      for (int j = 0; j < KG; ++j, advance(q)) {
+        if (q.job < my_jobs && q.chunk == 0) open(q.job);
+      }
     }
-    cp_async_wait<kStages - 2 * KG>();   // this thread's copies of positions ≤ q0 + KG − 1 landed
-    __syncthreads();                     // … everyone's; every warp is done with step q0 − KG's stages
+    cp_async_wait<kStages - 2 * KG>();   // this thread's copies of positions ≤ cs + KG − 1 landed
+    __syncthreads();                     // … everyone's; every warp is done with the last step's stages
 #pragma unroll
-    for (int j = 0; j < KG; ++j) {       // refill the stages of positions q0 − KG .. q0 − 1
-      issue(q0 + kAhead + j, true, true);
+    for (int j = 0; j < KG; ++j, advance(is)) {   // refill the stages of the last step's positions
+      issue(is, true, true);
       cp_async_commit();
     }
-    const int c0 = q0 % nc_pad;          // the job's first chunk of this step
-    const JobSlot<kCols>& sl = slots[(q0 / nc_pad) % kMetaSlots];
+    const JobSlot<kCols>& sl = slots[cs.job % kMetaSlots];
     int stack;
     const bool live = row_of(sl.tile, row0, stack) < N;   // N % 16 == 0: a tile is all in or all out
-    if (c0 == 0) {
+    if (cs.chunk == 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) acc[mt][q] = 0.0f;
       }
     }
-    if (live && c0 + kg < nc) compute_stage(((q0 + kg) % kStages) * lay.bytes, ceil_div(sl.rows, 8));
-    if (c0 + KG == nc_pad) epilogue(sl, live, stack);   // CTA-uniform: the job's last step
+    if (live && cs.chunk + kg < nc) compute_stage((cs.stage + kg) * lay.bytes, ceil_div(sl.rows, 8));
+    const bool last = cs.chunk + KG == nc_pad;   // CTA-uniform: the job's last step
+    if (last) epilogue(sl, live, stack);
+    cs.chunk = last ? 0 : cs.chunk + KG;
+    cs.job += last;
+    cs.stage = cs.stage + KG == kStages ? 0 : cs.stage + KG;
   }
   cp_async_wait<0>();   // only empty groups are left
 }
+
 // ---- 4. combine -------------------------------------------------------------------------------
 
 constexpr int kCombineThreads = 128;
