@@ -41,8 +41,8 @@
 //      row = x[p / k]. Stores act[p, n] = bf16(silu(bf16(g)) · bf16(u)).
 //      down: 128 threads, 4 tile warps; rows n = 64x + 16·tw .. +16, tiles = ceil(h / 64);
 //      B row = act[p]; stores d[p, n] = bf16(dot) into a [T·k, h] bf16 scratch.
-//      MT (template, from T at launch): 1 for T ≤ 64 (C = 8: the stage is 6.5 KB, so 8 stages
-//      fit 4 CTAs per SM; an expert hit by c > 8 pairs, at B = 32 only the shared expert,
+//      MT (template, from T at launch): 1 for T ≤ 64 (C = 8: the stage is 6.5 KB, so deep rings
+//      fit 3 gate_up / 6 down CTAs per SM; an expert hit by c > 8 pairs, at B = 32 only the shared expert,
 //      becomes ceil(c/8) records whose jobs run side by side and re-read it from L2), 4 above
 //      (C = 32). Of a record's MT n8 tiles ceil(rows/8) are live (warp-uniform branch).
 //   4. combine: grid (ceil(h / 1024), T), 128 threads × 8 columns: out[t] = Σ_j in slot order
@@ -69,7 +69,7 @@
 //     activation row per 16 threads, from per-thread source pointers set once per job; the
 //     position, job and stage cursors advance by counters (no integer division in the loop).
 //     K tails (K % 32 == 0) zero-fill weights and activations. ptxas (NVFP4, MT = 1): gate_up 79
-//     registers under __launch_bounds__(256, 3), down 92 under (128, 4); no spills. SASS of one
+//     registers under __launch_bounds__(256, 3), down 80 under (128, 6); no spills. SASS of one
 //     down step ≈ 330 instructions (dequant 153, mma + fragments ≈ 55, copies ≈ 65, cursors,
 //     slot reads and the barrier ≈ 55), ≈ w4a16_gemv v2's ≈ 280–290 per chunk.
 //   Activation rows ≥ the record's rows are never written (stale smem): they feed only mma
@@ -273,10 +273,12 @@ __device__ __forceinline__ uint4 permute_unit(uint4 a) {
 struct Nvfp4Format {
   static constexpr bool kScaled = true;
   // Stages: the persistent CTA streams job after job through one ring, kStages − KG chunks
-  // ahead of the one it computes. MT = 1 (6.5 KB per stage): 8 — down (KG = 1) keeps 7 chunks =
-  // 32 KB of weights in flight per CTA, 4 CTAs (55 KB smem each) per SM; gate_up (KG = 2) 6
-  // chunks, 3 CTAs of 8 warps per SM. MT = 4 (12.5 KB per stage, 8 KB of it activations): 6.
-  __host__ __device__ static constexpr int stages(int mt, int) { return mt == 1 ? 8 : 6; }
+  // ahead of the one it computes. MT = 1 (6.5 KB per stage): down (KG = 1) 5 — 4 chunks (18 KB
+  // of weights) in flight per CTA and 6 CTAs (35 KB smem, ≤ 80 registers) = 24 warps per SM:
+  // the dequant chains need the warps (w4a16_gemv: ≈ 9 cycles between a warp's issues), and
+  // 110 KB in flight per SM cover DRAM latency; gate_up (KG = 2) 8 — 6 chunks ahead, 3 CTAs of 8
+  // warps per SM. MT = 4 (12.5 KB per stage, 8 KB of it activations): 6.
+  __host__ __device__ static constexpr int stages(int mt, int kg) { return mt == 1 ? (kg == 1 ? 5 : 8) : 6; }
   static constexpr int kRowBytes = kChunkK / 2;      // 64 packed bytes
   static constexpr int kScaleBytes = kChunkK / 16;   // 8 e4m3 block scales
   static constexpr int kPieces = kRowBytes / 16;     // 16-byte copies per row per chunk
@@ -341,11 +343,11 @@ __host__ __device__ constexpr StageLayout stage_layout() {
 }
 
 // Resident CTAs per SM the launch bounds ask for: NVFP4 MT = 1 gate_up 3 × 256 threads (≤ 80
-// registers), down 4 × 128 (as many as the smem allows); else 2 (MT = 4's 6 stages of 12.5 KB
-// and BF16's 18 KB stages allow no more).
+// registers), down 6 × 128 (≤ 80; the smem of 5 stages allows 6); else 2 (MT = 4's 6 stages of
+// 12.5 KB and BF16's 18 KB stages allow no more).
 template <class F>
 __host__ __device__ constexpr int min_blocks(int mt, int kg) {
-  return F::kScaled && mt == 1 ? (kg == 1 ? 4 : 3) : 2;
+  return F::kScaled && mt == 1 ? (kg == 1 ? 6 : 3) : 2;
 }
 
 struct GroupedGemv {
