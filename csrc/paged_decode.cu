@@ -109,6 +109,11 @@
 //       count per warp drops from 34 to 18 at hd 256 (Q was 16 of them; with the cp.async
 //       fills, the tile's smem traffic per CTA ≈ 96 → 64 KB). 237 registers at hd 256, still
 //       2 CTAs per SM (smem-bound). Same MMA inputs, same bits.
+//   v7  One-wave grids warm L2 with each CTA's prologue K/V rows before pdl_wait (seq_lens and
+//       block ids read .cg only to aim sm_90 bulk L2 prefetches; everything used is re-read
+//       after the wait), and the combine kernels trigger their dependents before their own
+//       wait: at B = 1 the next layer's (or call's) attention CTAs become resident as this
+//       grid's CTAs exit and stream their first tiles under this call's drain and combine.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -166,6 +171,7 @@ struct Problem {
   uint32_t bs_shr;
   float score_mult;  // softmax_scale · log2e (FP8: · 2^56)
   int splits_per_cta;  // 1, or kSplitGroup (fused mode: M_TILES == 1 only; see the launcher)
+  int warm_early;      // 1: the grid is one wave → warm L2 with the prologue tiles before pdl_wait (v7)
 };
 
 // ---- PTX wrappers ---------------------------------------------------------------------------
@@ -204,6 +210,11 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool v
 // L1 prefetch of a global line (generic address; no fault, no register result): warms the L1
 // for an __ldg issued later, so that load does not wait a dependent round trip of its own.
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.L1 [%0];\n" ::"l"(p)); }
+// L2 prefetch of `bytes` (a multiple of 16) from a 16-byte aligned global address, one
+// instruction (sm_90 bulk prefetch); a hint only: no result, no effect on memory.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -340,12 +351,57 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;                        // mma fragment coordinates
 
+  const int capacity = a.max_blocks * a.block_size;
+  const int32_t* block_table = a.block_tables + (int64_t)b * a.max_blocks;   // [max_blocks]
+  auto block_index = [&](int p) {               // p / bs for 0 ≤ p < 2^31
+    return pb.bs_mul ? (int)(__umulhi((uint32_t)p, pb.bs_mul) >> pb.bs_shr) : p;
+  };
+  // Pool slot of position `pos` (table entry blk_idx, physical block blk), and the byte offset of
+  // its kv head kvh row in a cache pool (bytes per slot, all heads, < 2^25).
+  auto cache_position = [&](int blk, int pos, int blk_idx) {
+    return (int64_t)blk * a.block_size + (pos - blk_idx * a.block_size);
+  };
+  auto row_offset = [&](int64_t cache_pos) {
+    return (uint64_t)cache_pos * ((uint32_t)a.num_kv_heads * Tr::kRowBytes) + (uint32_t)kvh * Tr::kRowBytes;
+  };
+  constexpr int kThreadsPerRow = kThreads / kTileN;            // 4 (copy ownership, see load_tile)
+
+  // -- (v7, one-wave grids) warm L2 with this CTA's prologue K/V rows BEFORE pdl_wait, so the
+  //    first tiles stream while the previous kernel (the previous layer's or call's combine,
+  //    qk_norm_rope) finishes, instead of after it: at B = 1 the prologue is 2 of a CTA's 8
+  //    tiles, 16.8 MB of 67 at 32K, started ~2 round trips + the previous kernel's tail late.
+  //    Nothing read here decides a result: seq_lens and block ids are loaded .cg (L2 only, so
+  //    no L1 line can go stale) and only aim prefetches, which are hints (bounds-checked; a
+  //    value the previous kernel is still writing at worst wastes one). Everything the CTA
+  //    computes with is (re)read after the wait. Multi-wave grids skip it: their later CTAs
+  //    start long after the previous kernel and would only add the two round trips.
+  if (pb.warm_early) {
+    const int len = min(max(__ldcg(a.seq_lens + b), 0), capacity);
+    const PagedDecodeSplit sp = paged_decode_split(len, paged_decode_split_cap(a.num_kv_heads));
+    const int first = unit * pb.splits_per_cta, which = tid % kThreadsPerRow;   // 0: K row, 1: V row
+    if (first < sp.count && which < 2) {
+      const int begin = first * sp.chunk;
+      const int end = min(min(first + pb.splits_per_cta, sp.count) * sp.chunk, len);
+      int pos[kStages - 1], blk[kStages - 1];
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {   // all block-id loads first, then the prefetches
+        pos[s] = begin + s * kTileN + tid / kThreadsPerRow;
+        blk[s] = pos[s] < end ? __ldcg(block_table + block_index(pos[s])) : -1;
+      }
+      const uint8_t* pool = static_cast<const uint8_t*>(which == 0 ? a.k_cache : a.v_cache);
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s)
+        if ((unsigned)blk[s] < (unsigned)a.num_blocks)
+          prefetch_l2_bulk(pool + row_offset(cache_position(blk[s], pos[s], block_index(pos[s]))), Tr::kRowBytes);
+    }
+  }
+
   // Programmatic dependent launch: this grid may become resident while the previous kernel
   // (qk_norm_rope, or the previous layer's combine) finishes; nothing global is read before
-  // the wait. The trigger right after lets the combine grid launch as soon as every CTA of
-  // this grid has started (it still waits for this whole grid before reading partials), so
-  // its launch latency hides under the last wave instead of following it (v1 triggered at
-  // each CTA's end).
+  // the wait except the hints above. The trigger right after lets the combine grid launch as
+  // soon as every CTA of this grid has started (it still waits for this whole grid before
+  // reading partials), so its launch latency hides under the last wave instead of following
+  // it (v1 triggered at each CTA's end).
   pdl_wait();
   pdl_launch_dependents();
 
@@ -355,10 +411,6 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   //    (4K, 256·cap] (up to 32K at nkv ≤ 2), and kPagedDecodeShortSplitLen, exact for most
   //    L ≤ 2K — puts the block-id fetch beside the seq_lens and Q loads; load_tile's __ldg
   //    then hits L1. A wrong guess costs a wasted prefetch.
-  const int32_t* block_table = a.block_tables + (int64_t)b * a.max_blocks;   // [max_blocks]
-  auto block_index = [&](int p) {               // p / bs for 0 ≤ p < 2^31
-    return pb.bs_mul ? (int)(__umulhi((uint32_t)p, pb.bs_mul) >> pb.bs_shr) : p;
-  };
   if (tid % (kThreads / kTileN) == 0) {         // one thread per tile row
     const int row = tid / (kThreads / kTileN), first = unit * pb.splits_per_cta;
 #pragma unroll
@@ -430,7 +482,6 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   };
   load_q(0);
 
-  const int capacity = a.max_blocks * a.block_size;
   const int seq_len = min(max(a.seq_lens[b], 0), capacity);
   const PagedDecodeSplit plan = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads));
   const int first_split = unit * pb.splits_per_cta;
@@ -464,7 +515,6 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   //    tile, each a dependent L1/L2 round trip behind a branch right before its copy, and ~27
   //    instructions per 16-byte copy (64-bit address selects): ~435 of a tile's ~675
   //    instructions per warp at hd 256.
-  constexpr int kThreadsPerRow = kThreads / kTileN;            // 4
   constexpr int kChunksPerThread = Tr::kChunks / kThreadsPerRow;
   static_assert(kThreads % kTileN == 0 && Tr::kChunks % kThreadsPerRow == 0, "copy ownership");
   const int copy_row = tid / kThreadsPerRow, copy_c0 = tid % kThreadsPerRow;
@@ -474,10 +524,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     const int blk_idx = block_index(p);
     const int blk = __ldg(block_table + blk_idx);
     const bool ok = pos < kv_end && (unsigned)blk < (unsigned)a.num_blocks;
-    const int64_t cache_pos = (int64_t)blk * a.block_size + (pos - blk_idx * a.block_size);
-    // byte offset of this (position, kv head) row; bytes per position (all heads) < 2^25
-    const uint64_t row_off = ok ? (uint64_t)cache_pos * ((uint32_t)a.num_kv_heads * Tr::kRowBytes) +
-                                      (uint32_t)kvh * Tr::kRowBytes : 0;
+    const int64_t cache_pos = cache_position(blk, pos, blk_idx);
+    const uint64_t row_off = ok ? row_offset(cache_pos) : 0;
     const uint8_t* k_row = static_cast<const uint8_t*>(a.k_cache) + row_off;
     const uint8_t* v_row = static_cast<const uint8_t*>(a.v_cache) + row_off;
     const uint32_t k_dst = smem_addr(kv_smem) + (stage * 2) * Tr::kTileBytes;
@@ -876,12 +924,15 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
   const int gi = threadIdx.x / kGcLanes, lane = threadIdx.x % kGcLanes;
   const int e_cta = blockIdx.x * kGcCols;                      // row · hd + first column
   const int gr = e_cta / hd, col0 = e_cta % hd;
+  // The trigger first (v7): the next PDL kernel (the next layer's attention, whose CTAs warm
+  // L2 with their first KV tiles before their own wait, or o_proj's weight prefetch) may start
+  // launching while this grid waits; it still waits for this grid before reading its output.
   // seq_lens before the wait: this grid launches only once every attention CTA has passed its
   // own pdl_wait (then triggered), so whatever wrote seq_lens has completed and is visible;
   // only the partials need the wait.
+  pdl_launch_dependents();
   const int seq_len = min(max(__ldg(a.seq_lens + b), 0), a.max_blocks * a.block_size);
   pdl_wait();                                   // attention grid done, partials visible
-  pdl_launch_dependents();                      // the next PDL kernel may start launching
   const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
   if (count <= 1) return;                       // the attention kernel wrote out (whole CTA)
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;  // ≤ blockDim.x / kGcLanes
@@ -978,10 +1029,10 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
   const PagedDecodeArgs& a = pb.a;
   const int hd = a.head_dim, kvh = blockIdx.y, b = blockIdx.z;
   const int e0 = blockIdx.x * kFlatElems + 4 * threadIdx.x;  // row · hd + column, column % 4 == 0
-  // seq_lens before the wait (as in the grouped kernel: written before the attention grid ran).
+  // Trigger first, seq_lens before the wait: as in the grouped kernel.
+  pdl_launch_dependents();
   const int seq_len = min(max(__ldg(a.seq_lens + b), 0), a.max_blocks * a.block_size);
   pdl_wait();                                   // attention grid done, partials visible
-  pdl_launch_dependents();
   const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;
   // count ≤ 1, or a fused sequence of one group: the attention kernel wrote out (see there)
@@ -1088,20 +1139,27 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   auto kernel = paged_decode_kernel<HD, FP8, M_TILES, QREG>;
   // > 48 KB of dynamic smem must be opted into, once per device (a host call, graph-safe).
   static bool opted_in[kMaxDevices] = {};
+  static int64_t resident[kMaxDevices] = {};    // CTAs of this instance the device holds at once
   int device = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&device));
   if (device >= kMaxDevices) return cudaErrorInvalidDevice;
-  if (!opted_in[device]) {  // a race only sets the attribute twice
+  if (!opted_in[device]) {  // a race only sets the attributes twice
     ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     // All of the unified L1/smem as smem: 2 (bf16 hd 256) or 3 (fp8 hd 256: 3 × 76.8 KB) CTAs
     // per SM need it; L1 only caches block-table reads (KV goes through cp.async.cg).
     ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                                (int)cudaSharedmemCarveoutMaxShared));
+    int per_sm = 0, sms = 0;                    // host queries, no stream work (graph-safe)
+    ATLAS_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+    ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    resident[device] = (int64_t)per_sm * sms;
     opted_in[device] = true;
   }
   const int units = (pb.a.max_splits + pb.splits_per_cta - 1) / pb.splits_per_cta;  // per sequence
   const dim3 grid(units * pb.row_groups, pb.a.num_kv_heads, pb.a.batch);
-  return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, pb);   // see pdl_wait in the kernel
+  Problem p = pb;
+  p.warm_early = (int64_t)grid.x * grid.y * grid.z <= resident[device] ? 1 : 0;   // one wave (v7)
+  return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);   // see pdl_wait in the kernel
 }
 
 template <int HD, bool FP8>
