@@ -114,6 +114,9 @@
 //       after the wait), and the combine kernels trigger their dependents before their own
 //       wait: at B = 1 the next layer's (or call's) attention CTAs become resident as this
 //       grid's CTAs exit and stream their first tiles under this call's drain and combine.
+//   v8  QREG for fp8 too where 2 CTAs per SM hold the whole grid (one wave: B = 1 long
+//       sequences): Q was 16 of an fp8 tile's 30 ldmatrix per warp. 223 registers at hd 256
+//       (2 CTAs/SM); multi-wave fp8 grids keep the 166-register, 3-CTA instance.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -314,24 +317,27 @@ __device__ __forceinline__ int o_column(int u, int which, int e, int t) {
 // ---- attention kernel -----------------------------------------------------------------------
 
 // CTAs per SM the register budget must allow: one row tile → 2 (bf16 hd 256, smem-bound) or
-// 3 (fp8 hd 256: 3 × 76.8 KB smem), i.e. ≤ 170 registers.
-template <bool FP8, int M_TILES>
-constexpr int kMinCtasPerSm = M_TILES == 1 ? (FP8 ? 3 : 2) : 1;
+// 3 (fp8 hd 256: 3 × 76.8 KB smem), i.e. ≤ 170 registers; fp8 with Q in registers (QREG, one-
+// wave grids only) → 2.
+template <bool FP8, int M_TILES, bool QREG>
+constexpr int kMinCtasPerSm = M_TILES == 1 ? (FP8 && !QREG ? 3 : 2) : 1;
 
-// QREG (v6; bf16, one row tile, rows ≤ 8 — every q_len-1 decode of a GQA group ≤ 8): Q is held
-// in registers as the score MMAs' A fragments, loaded once from its smem staging, instead of
-// 16 ldmatrix.x4 per warp per tile re-reading it (hd 256: 16 of the tile's 34 ldmatrix, ~1/3
-// of its smem read traffic beside the cp.async fills). Rows 8–15 of the m16 tile are zero
-// padding, so their fragment registers (a1, a3) are the constant 0: HD/16 × 2 registers
-// (32 at hd 256) instead of × 4. The MMA inputs are the same bits as the ldmatrix'd ones, so
-// the results are too. FP8 keeps smem Q: +32 registers would cost its third CTA per SM.
+// QREG (one row tile, rows ≤ 8 — every q_len-1 decode of a GQA group ≤ 8): Q is held in
+// registers as the score MMAs' A fragments, loaded once from its smem staging, instead of 16
+// ldmatrix.x4 per warp per tile re-reading it (hd 256: 16 of the tile's 34 ldmatrix for bf16,
+// 16 of 30 for fp8; for bf16 ~1/3 of its smem read traffic beside the cp.async fills). Rows
+// 8–15 of the m16 tile are zero padding, so their fragment registers (a1, a3) are the constant
+// 0: HD/16 × 2 registers (32 at hd 256) instead of × 4. The MMA inputs are the same bits as
+// the ldmatrix'd ones (fp8: the permuted, 2^64-scaled staging), so the results are too.
+// bf16 always (v6); fp8 only for one-wave grids (v8): its +32 registers cost the third CTA
+// per SM, which only a multi-wave grid uses.
 template <int HD, bool FP8, int M_TILES, bool QREG>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm<FP8, M_TILES>)
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm<FP8, M_TILES, QREG>)
 paged_decode_kernel(const __grid_constant__ Problem pb) {
   using Tr = Traits<HD, FP8>;
   constexpr int kRows = M_TILES * 16;
   constexpr int kStages = Tr::kStages;
-  static_assert(!QREG || (M_TILES == 1 && !FP8), "Q in registers: one row tile, bf16");
+  static_assert(!QREG || M_TILES == 1, "Q in registers: one row tile");
   const PagedDecodeArgs& a = pb.a;
 
   extern __shared__ __align__(128) uint8_t smem[];
@@ -1166,8 +1172,14 @@ template <int HD, bool FP8>
 cudaError_t launch_rows(const Problem& pb, int m_tiles, cudaStream_t stream) {
   switch (m_tiles) {
     case 1:
-      if constexpr (!FP8) {                     // Q in registers for ≤ 8 rows (see QREG)
-        if (pb.rows_total <= 8) return launch_instance<HD, FP8, 1, true>(pb, stream);
+      if (pb.rows_total <= 8) {                 // Q in registers (see QREG)
+        if constexpr (!FP8) return launch_instance<HD, FP8, 1, true>(pb, stream);
+        int device = 0, sms = 0;                // fp8: only where 2 CTAs per SM hold the grid
+        ATLAS_RETURN_IF_ERROR(cudaGetDevice(&device));
+        ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+        const int64_t units = (pb.a.max_splits + pb.splits_per_cta - 1) / pb.splits_per_cta;
+        if (units * pb.row_groups * pb.a.num_kv_heads * pb.a.batch <= 2ll * sms)
+          return launch_instance<HD, FP8, 1, true>(pb, stream);
       }
       return launch_instance<HD, FP8, 1, false>(pb, stream);
     case 2: return launch_instance<HD, FP8, 2, false>(pb, stream);
