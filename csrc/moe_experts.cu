@@ -38,7 +38,9 @@
 //      fuses in the epilogue (the up warp hands bf16(u) to the gate warp through 2 KB of smem);
 //      K group kg computes the 128-k chunks c ≡ kg (mod 2) and the two partials are added
 //      acc_0 + acc_1 through smem (an order fixed by K alone). Columns = the record's pairs, B
-//      row = x[p / k]. Stores act[p, n] = bf16(silu(bf16(g)) · bf16(u)).
+//      row = x[p / k]. Stores act[p, n] = bf16(silu(bf16(g)) · bf16(u)), each 8-element unit of
+//      an act row in the mma K order (n0, n4, n1, n5, n2, n6, n3, n7: what permute_unit makes of
+//      an activation unit), so down takes its B fragments as loaded (no prmt).
 //      down: 128 threads, 4 tile warps; rows n = 64x + 16·tw .. +16, tiles = ceil(h / 64);
 //      B row = act[p]; stores d[p, n] = bf16(dot) into a [T·k, h] bf16 scratch.
 //      MT (template, from T at launch): 1 for T ≤ 64 (C = 8: the stage is 6.5 KB, so deep rings
@@ -56,7 +58,8 @@
 //     m16n8k16 calls are w4a16_gemv's (csrc/w4a16_gemv.cu header, common/nvfp4_mma.cuh): mma
 //     step (w, h) pairs physical k (8w+2h, 8w+2h+4) and (8w+2h+1, 8w+2h+5) + 32t; the B
 //     fragment is the 16-byte activation unit k 32t+8w .. +8 of row g, permuted by 4 prmt at
-//     read time (BF16 weights get the same permutation).
+//     read time (gate_up; down's act units are stored permuted; BF16 weights get the same
+//     permutation).
 //   pipeline: the CTA's jobs are one flat sequence of positions, ceil(nc / KG)·KG per job (nc =
 //     ceil(K / 128) chunks; positions ≥ nc of a job are empty when KG ∤ nc); kStages cp.async
 //     stages (Format::stages), position q in stage q % kStages; one commit group per position;
@@ -133,7 +136,7 @@ struct Workspace {
   size_t info_gate_up;  // int4 [R_max]    record r: {expert, rows, bits(gate gs), bits(up gs)}
   size_t info_down;     // int4 [R_max]    record r: {expert, rows, bits(down gs), 0}
   size_t pairs;         // int32 [R_max, C] pair ids of record r (columns ≥ rows never written)
-  size_t act;           // bf16 [T·k, I]   silu(g)·u per pair (rows of invalid pairs never written)
+  size_t act;           // bf16 [T·k, I]   silu(g)·u per pair, units in mma K order (invalid pairs' rows unwritten)
   size_t d;             // bf16 [T·k, h]   down output per pair (idem)
   size_t bytes;
   int mt;               // n8 tiles per record, C = 8·mt columns
@@ -562,8 +565,8 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
       for (int mt = 0; mt < MT; ++mt) {
         if (mt > 0 && mt >= live_mt) break;   // warp-uniform; rows ≥ 1
         const int xr = 8 * mt + g;   // activation row (column of the mma)
-        const uint4 xv = permute_unit(
-            *reinterpret_cast<const uint4*>(xs + xr * kXRowBytes + bf16_unit_slot(xr, 4 * t + wd) * 16));
+        const uint4 raw = *reinterpret_cast<const uint4*>(xs + xr * kXRowBytes + bf16_unit_slot(xr, 4 * t + wd) * 16);
+        const uint4 xv = kGateUp ? permute_unit(raw) : raw;   // down: act is stored in mma K order
         mma_bf16_16816(acc[mt], ra[0], rb[0], ra[1], rb[1], xv.x, xv.y);   // h = 0
         mma_bf16_16816(acc[mt], ra[2], rb[2], ra[3], rb[3], xv.z, xv.w);   // h = 1
       }
@@ -617,7 +620,10 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
           if (col >= rows) continue;
           int i;
           const int n = row_of(sl.tile, row0 + r, i);
-          __nv_bfloat16* dst = p.out + static_cast<int64_t>(sl.pair[col]) * N + n;
+          // gate_up: act element n lands at its mma K position inside its 8-element unit, the
+          // order permute_unit gives (x0, x4, x1, x5, …): n % 8 = g → 2g (g < 4) | 2g − 7
+          const int n_out = kGateUp ? n - g + (g < 4 ? 2 * g : 2 * g - 7) : n;
+          __nv_bfloat16* dst = p.out + static_cast<int64_t>(sl.pair[col]) * N + n_out;
           const float v = __bfloat162float(__float2bfloat16(acc[mt][q] * factor));
           if constexpr (kGateUp) {
             *dst = __float2bfloat16(v / (1.0f + expf(-v)) * up_s[tw / 2][r][col]);
