@@ -15,7 +15,7 @@
 // number of tokens that picked it, and its pairs are the n8 columns of the mma (swap-AB, as
 // w4a16_gemv: weight rows are the 16-row A operand, activation rows the B operand).
 //
-// Four launches, all with programmatic dependent launch (common/pdl.cuh):
+// Four launches (three at T·k ≤ 32), all with programmatic dependent launch (common/pdl.cuh):
 //   1. group (1 CTA, 256 threads): counting sort of the valid pairs by expert into RECORDS: an
 //      expert with c pairs gets ceil(c / C) consecutive records (C = 8·MT columns), record r =
 //      {expert, rows = its pairs (1..C), the expert's global scales per role} and pairs[r][0..rows)
@@ -23,7 +23,10 @@
 //      shared-memory atomics (order-free), one block scan of the records per expert, then warp 0
 //      scatters the pairs 32 at a time in pair order (__match_any_sync ranks lanes with the same
 //      expert), so the lists are deterministic. Buffers sized for the worst case R ≤ min(T·k, E)
-//      + T·k / C + 1: no host sync, graph-capturable.
+//      + T·k / C + 1: no host sync, graph-capturable. T·k ≤ 32 (B ≤ 3 decode steps at k = 9):
+//      not launched; warp 0 of every GEMV CTA builds the same records in shared memory from the
+//      ids (lane = pair: __match_any_sync groups, a ballot over the group leaders ranks the
+//      experts), one dependent launch and two table round trips fewer.
 //   2. gate_up, 3. down: PERSISTENT grouped GEMVs. A job is (record r, row tile x): 64 weight
 //      rows of expert e for the record's ≤ C pairs, jobs J = r·tiles + x. The grid is fixed
 //      from the host (SMs × resident CTAs per SM, at most the jobs bound); CTA b runs jobs b,
@@ -77,11 +80,11 @@
 //     slot reads and the barrier ≈ 55), ≈ w4a16_gemv v2's ≈ 280–290 per chunk.
 //   Activation rows ≥ the record's rows are never written (stale smem): they feed only mma
 //     columns ≥ rows, which are never stored (mma columns are independent dot products).
-//   PDL: gate_up waits for the grouping kernel before reading anything. down reads the records
-//     and issues its first kStages − 1 chunks of weights BEFORE griddepcontrol.wait: it is
-//     launched only once every gate_up CTA has executed launch_dependents or exited, and every
-//     gate_up CTA does either only after its own wait, which returns once the grouping grid has
-//     completed. Every CTA of every launch waits before it exits, so each grid's completion
+//   PDL: gate_up waits for the grouping kernel (local grouping: for the ids' producer) before
+//     reading anything. down reads the records (or the ids) and issues its first kStages − KG
+//     chunks of weights BEFORE griddepcontrol.wait: it is launched only once every gate_up CTA
+//     has executed launch_dependents or exited, and every gate_up CTA does either only after its
+//     own wait, which returns once the grouping grid (the ids' producer) has completed. Every CTA of every launch waits before it exits, so each grid's completion
 //     implies its predecessors' (the workspace may be reused by the stream's next op).
 //
 // Batch invariance: a pair's dot is the same bits whatever else is in the batch — its column's
@@ -364,7 +367,42 @@ struct GroupedGemv {
   int k;                     // K: h | I (also the B row length)
   int top_k;
   int tiles;                 // row tiles per expert: I / 32 (gate_up) | ceil(h / 64) (down)
+  // T·k ≤ kLocalPairs (MT = 1): no grouping launch; every CTA groups the pairs itself
+  bool local;
+  const int32_t* ids;        // [T·k] expert ids (local)
+  int num_pairs;             // T·k
+  int num_experts;           // E
+  const float* gs[2];        // f32 [E] global scales of a[0], a[1] (NVFP4 down: gs[1] nullptr; BF16: both)
 };
+
+constexpr int kLocalPairs = 32;   // pairs one warp groups (lane = pair)
+
+// The grouping kernel's records for ≤ 32 pairs, built by one warp (lane = pair p) into shared
+// memory, in the same order (ascending expert, its pairs ascending): returns R (all lanes).
+__device__ int group_in_warp(const GroupedGemv& p, int cols, int4* info, int32_t* pairs, int lane) {
+  const int e = lane < p.num_pairs ? p.ids[lane] : -1;
+  const bool valid = e >= 0 && e < p.num_experts;
+  const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1);
+  const int rank = __popc(peers & ((1u << lane) - 1u)), count = __popc(peers);   // i-th of c pairs
+  unsigned leaders = __ballot_sync(0xffffffffu, valid && rank == 0);
+  int first = 0, total = 0;   // records of the experts below e, of all experts
+  while (leaders != 0) {      // warp-uniform
+    const int j = __ffs(leaders) - 1;
+    leaders &= leaders - 1;
+    const int ej = __shfl_sync(0xffffffffu, e, j), rj = ceil_div(__shfl_sync(0xffffffffu, count, j), cols);
+    total += rj;
+    if (ej < e) first += rj;
+  }
+  if (valid) {
+    const int r = first + rank / cols;
+    pairs[r * cols + rank % cols] = lane;
+    if (rank % cols == 0) {
+      info[r] = make_int4(e, min(cols, count - rank), __float_as_int(p.gs[0] != nullptr ? p.gs[0][e] : 1.0f),
+                          __float_as_int(p.gs[1] != nullptr ? p.gs[1][e] : 1.0f));
+    }
+  }
+  return total;
+}
 
 // One job's record in shared memory, written by warp 0 before the step that first issues it.
 template <int kCols>
@@ -412,8 +450,30 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
     pdl_wait();
     pdl_launch_dependents();
   }
-  // down: the records were complete before this grid launched (see the header: PDL).
-  const int num_jobs = *p.num_records * p.tiles;
+  // down: the records (or ids) were complete before this grid launched (see the header: PDL).
+  const int4* info = p.info;          // [R] records: the workspace, or …
+  const int32_t* pair_tab = p.pairs;  // [R, kCols]
+  int num_records;
+  if constexpr (MT == 1) {
+    __shared__ int4 local_info[kLocalPairs];                // … this CTA's own grouping
+    __shared__ int32_t local_pairs[kLocalPairs * kCols];
+    __shared__ int32_t local_count;
+    if (p.local) {   // CTA-uniform
+      if (warp == 0) {
+        const int r = group_in_warp(p, kCols, local_info, local_pairs, lane);
+        if (lane == 0) local_count = r;
+      }
+      __syncthreads();
+      info = local_info;
+      pair_tab = local_pairs;
+      num_records = local_count;
+    } else {
+      num_records = *p.num_records;
+    }
+  } else {
+    num_records = *p.num_records;
+  }
+  const int num_jobs = num_records * p.tiles;
   const int cta = blockIdx.x, ctas = gridDim.x;
   const int my_jobs = cta < num_jobs ? ceil_div(num_jobs - cta, ctas) : 0;   // jobs cta + i·ctas
 
@@ -433,8 +493,8 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
   int pf_pair = 0, pf_tile = 0;            // lane < kCols: its column lane's pair; its tile x
   auto fetch = [&](int i) {                // called for i = 0, 1, 2, … in order
     if (warp == 0 && i < my_jobs) {
-      pf_info = p.info[fetch_r];
-      if (lane < kCols) pf_pair = p.pairs[static_cast<int64_t>(fetch_r) * kCols + lane];
+      pf_info = info[fetch_r];
+      if (lane < kCols) pf_pair = pair_tab[static_cast<int64_t>(fetch_r) * kCols + lane];
       pf_tile = fetch_x;
       fetch_r += step_r;
       fetch_x += step_x;
@@ -766,6 +826,13 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(
 
 // ---- launchers --------------------------------------------------------------------------------
 
+// T·k ≤ 32 pairs (MT = 1): each GEMV CTA groups them in one warp, no grouping launch (B ≤ 3 at
+// k = 9: one dependent launch and two table round trips fewer on every decode step's MoE).
+bool local_grouping(int64_t num_tokens, int top_k) {
+  return num_tokens * top_k <= kLocalPairs && plan_mt(num_tokens) == 1;
+}
+
+
 constexpr int kMaxDevices = 64;   // per-device bookkeeping
 
 // K groups per CTA: gate_up 2 (8 warps; B = 1 has 144 gate_up jobs for 132 SMs, so a warp's
@@ -813,11 +880,16 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, const Records& rec, const Work
   auto* d = reinterpret_cast<__nv_bfloat16*>(base + ws.d);
   const int gate_up_tiles = a.inter / kGateUpRows, down_tiles = ceil_div(a.hidden, kCtaRows);
 
+  const int pairs = static_cast<int>(a.num_tokens * a.top_k);
+  const bool local = local_grouping(a.num_tokens, a.top_k);
   const GroupedGemv gate_up{static_cast<const __nv_bfloat16*>(a.x), {a.gate, a.up}, rec.count, rec.info[0],
-                            rec.pairs, act, a.inter, a.hidden, a.top_k, gate_up_tiles};
+                            rec.pairs, act, a.inter, a.hidden, a.top_k, gate_up_tiles,
+                            local, a.ids, pairs, a.num_experts,
+                            {F::kScaled ? a.gate.global_scale : nullptr, F::kScaled ? a.up.global_scale : nullptr}};
   ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, true>(ws.mt, gate_up, ws.max_records * gate_up_tiles, stream)));
   const GroupedGemv down{act, {a.down, a.down}, rec.count, rec.info[1], rec.pairs, d, a.hidden, a.inter, a.top_k,
-                         down_tiles};
+                         down_tiles, local, a.ids, pairs, a.num_experts,
+                         {F::kScaled ? a.down.global_scale : nullptr, nullptr}};
   ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, false>(ws.mt, down, ws.max_records * down_tiles, stream)));
   return launch_pdl(moe_combine_kernel,
                     dim3(static_cast<unsigned>(ceil_div(a.hidden, kCombineThreads * kCombineVec)),
@@ -861,11 +933,14 @@ cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
                     {reinterpret_cast<int4*>(base + ws.info_gate_up), reinterpret_cast<int4*>(base + ws.info_down)},
                     reinterpret_cast<int32_t*>(base + ws.pairs)};
   const int pairs = static_cast<int>(a.num_tokens * a.top_k);
-  const size_t group_smem = static_cast<size_t>(2 * a.num_experts + std::min(pairs, kGroupStagedIds)) * sizeof(int32_t);
-  ATLAS_RETURN_IF_ERROR(launch_pdl(moe_group_kernel, dim3(1), dim3(kGroupThreads), group_smem, stream, a.ids, pairs,
-                                   a.num_experts, 8 * ws.mt, a.nvfp4 ? a.gate.global_scale : nullptr,
-                                   a.nvfp4 ? a.up.global_scale : nullptr, a.nvfp4 ? a.down.global_scale : nullptr,
-                                   rec));
+  if (!local_grouping(a.num_tokens, a.top_k)) {
+    const size_t group_smem =
+        static_cast<size_t>(2 * a.num_experts + std::min(pairs, kGroupStagedIds)) * sizeof(int32_t);
+    ATLAS_RETURN_IF_ERROR(launch_pdl(moe_group_kernel, dim3(1), dim3(kGroupThreads), group_smem, stream, a.ids,
+                                     pairs, a.num_experts, 8 * ws.mt, a.nvfp4 ? a.gate.global_scale : nullptr,
+                                     a.nvfp4 ? a.up.global_scale : nullptr,
+                                     a.nvfp4 ? a.down.global_scale : nullptr, rec));
+  }
   return a.nvfp4 ? launch_typed<Nvfp4Format>(a, rec, ws, stream) : launch_typed<Bf16Format>(a, rec, ws, stream);
 }
 

@@ -46,7 +46,8 @@ struct MoeExpertsArgs {
 // Scratch bytes launch_moe_experts needs for these sizes (0 for sizes out of range).
 size_t moe_experts_workspace_bytes(int64_t num_tokens, int top_k, int num_experts, int hidden, int inter);
 
-// Four launches on `stream` (group pairs by expert, gate+up+silu, down, combine); never syncs.
+// Four launches on `stream` (group pairs by expert — skipped at T·k ≤ 32 —, gate+up+silu, down,
+// combine); never syncs.
 // cudaErrorInvalidValue outside the ranges above, or when x, out or a weight stack is not 16-byte
 // aligned (block scales: 8-byte; workspace: 256-byte).
 cudaError_t launch_moe_experts(const MoeExpertsArgs& args, cudaStream_t stream);

@@ -208,6 +208,13 @@ def test_moe_experts_kernel_repeated_and_invalid_ids(fmt, h, inter):
     ref = ops.moe_experts(xb, big, wb, gate, up, down)
     out = ops.moe_experts(xb.cuda(), big.cuda(), wb.cuda(), _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda"))
     assert rel_err(out.cpu(), ref) < 5e-3
+    few = torch.randint(0, e, (4, 8), generator=g).int()                    # 32 pairs: grouped inside the
+    few[1, 3], few[2, 0] = e + 1, -2                                         # GEMV CTAs (no grouping launch)
+    xf = torch.randn(4, h, generator=g).bfloat16()
+    wf = torch.rand(4, 8, generator=g)
+    ref = ops.moe_experts(xf, few, wf, gate, up, down)
+    out = ops.moe_experts(xf.cuda(), few.cuda(), wf.cuda(), _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda"))
+    assert rel_err(out.cpu(), ref) < 5e-3
 
 
 @pytest.mark.cuda
