@@ -18,7 +18,7 @@
 // Four launches (three at T·k ≤ 32), all with programmatic dependent launch (common/pdl.cuh):
 //   1. group (1 CTA, 256 threads): counting sort of the valid pairs by expert into RECORDS: an
 //      expert with c pairs gets ceil(c / C) consecutive records (C = 8·MT columns), record r =
-//      {expert, rows = its pairs (1..C), the expert's global scales per role} and pairs[r][0..rows)
+//      {expert, rows = its pairs (1..C)} and pairs[r][0..rows)
 //      in ascending pair order; experts in ascending id order; num_records = R. Counts by
 //      shared-memory atomics (order-free), one block scan of the records per expert, then warp 0
 //      scatters the pairs 32 at a time in pair order (__match_any_sync ranks lanes with the same
@@ -33,9 +33,10 @@
 //      b + grid, b + 2·grid, … < R·tiles (so the CTAs running at one time share records: nearby
 //      rows of one expert), as ONE stream of 128-k chunks through one cp.async ring: the next
 //      jobs' first chunks are in flight while this job's last ones are computed, so a job
-//      boundary costs no DRAM round trip and no launch. A job's record (expert, rows, scales,
+//      boundary costs no DRAM round trip and no launch. A job's record (expert, rows,
 //      its C pair ids) is loaded into warp 0's registers one job ahead and written to a smem
-//      job slot (kMetaSlots in a ring) before the step that first issues its chunks.
+//      job slot (kMetaSlots in a ring) before the step that first issues its chunks; the
+//      expert's global scales follow by cp.async into the slot, landing with its first chunk.
 //      gate_up: 256 threads = 2 K groups × 4 tile warps, one 16-row A tile each; tiles = I / 32.
 //      Tile warps 2j and 2j+1 own the gate and the up rows n = 32x + 16j .. +16, so silu(g)·u
 //      fuses in the epilogue (the up warp hands bf16(u) to the gate warp through 2 KB of smem);
@@ -136,8 +137,7 @@ int plan_mt(int64_t num_tokens) { return num_tokens <= kMt1MaxTokens ? 1 : kMaxM
 // Byte offsets of the scratch buffers inside args.workspace (each 256-byte aligned).
 struct Workspace {
   size_t num_records;   // int32 [1]       R
-  size_t info_gate_up;  // int4 [R_max]    record r: {expert, rows, bits(gate gs), bits(up gs)}
-  size_t info_down;     // int4 [R_max]    record r: {expert, rows, bits(down gs), 0}
+  size_t info;          // int2 [R_max]    record r: {expert, rows}
   size_t pairs;         // int32 [R_max, C] pair ids of record r (columns ≥ rows never written)
   size_t act;           // bf16 [T·k, I]   silu(g)·u per pair, units in mma K order (invalid pairs' rows unwritten)
   size_t d;             // bf16 [T·k, h]   down output per pair (idem)
@@ -155,8 +155,7 @@ Workspace workspace_layout(int64_t num_tokens, int top_k, int num_experts, int h
   w.max_records = static_cast<int>(std::min<int64_t>(pairs, num_experts) + pairs / cols + 1);
   size_t off = 0;
   w.num_records = off;  off = align(off + sizeof(int32_t));
-  w.info_gate_up = off; off = align(off + static_cast<size_t>(w.max_records) * sizeof(int4));
-  w.info_down = off;    off = align(off + static_cast<size_t>(w.max_records) * sizeof(int4));
+  w.info = off;         off = align(off + static_cast<size_t>(w.max_records) * sizeof(int2));
   w.pairs = off;        off = align(off + static_cast<size_t>(w.max_records) * cols * sizeof(int32_t));
   w.act = off;          off = align(off + static_cast<size_t>(pairs) * inter * sizeof(__nv_bfloat16));
   w.d = off;            off = align(off + static_cast<size_t>(pairs) * hidden * sizeof(__nv_bfloat16));
@@ -166,7 +165,7 @@ Workspace workspace_layout(int64_t num_tokens, int top_k, int num_experts, int h
 
 struct Records {
   int32_t* count;   // [1]            R
-  int4* info[2];    // [R_max] each   gate_up, down: {expert, rows, bits(global scale 0), bits(1)}
+  int2* info;       // [R_max]        {expert, rows}
   int32_t* pairs;   // [R_max, C]
 };
 
@@ -181,9 +180,6 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(
     int num_pairs,                     // T·k
     int num_experts,                   // E
     int cols,                          // C = 8·MT pairs per record
-    const float* __restrict__ gs_gate,   // [E] NVFP4 global scales; all three nullptr for BF16 (1)
-    const float* __restrict__ gs_up,     // [E]
-    const float* __restrict__ gs_down,   // [E]
     Records rec) {
   extern __shared__ int32_t group_smem[];
   int32_t* seen = group_smem;                        // [E]: pairs of expert e (count, then scatter cursor)
@@ -221,14 +217,9 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(
   for (int e = e0; e < e1; ++e) {
     const int c = seen[e];
     first_rec[e] = next;
-    const bool hit = c > 0, scaled = gs_gate != nullptr;
-    const int g0 = __float_as_int(hit && scaled ? gs_gate[e] : 1.0f);
-    const int g1 = __float_as_int(hit && scaled ? gs_up[e] : 1.0f);
-    const int g2 = __float_as_int(hit && scaled ? gs_down[e] : 1.0f);
     for (int q = 0; q * cols < c; ++q, ++next) {
       const int rows = min(cols, c - q * cols);
-      rec.info[0][next] = make_int4(e, rows, g0, g1);
-      rec.info[1][next] = make_int4(e, rows, g2, 0);
+      rec.info[next] = make_int2(e, rows);
     }
     seen[e] = 0;
   }
@@ -356,11 +347,16 @@ __host__ __device__ constexpr int min_blocks(int mt, int kg) {
   return F::kScaled && mt == 1 ? (kg == 1 ? 6 : 3) : 2;
 }
 
+// 4-byte async copy (a global scale into a job slot), in the thread's current commit group.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+
 struct GroupedGemv {
   const __nv_bfloat16* b;    // gate_up: x [T, h]; down: act [T·k, I] — B row of column c: b + src·K
   ExpertStack a[2];          // gate_up: gate, up [E, I, h]; down: down, down [E, h, I]
   const int32_t* num_records;   // [1] R
-  const int4* info;          // [R] this role's {expert, rows, bits(global scale of a[0]), bits(of a[1])}
+  const int2* info;          // [R] {expert, rows}
   const int32_t* pairs;      // [R, 8·MT]
   __nv_bfloat16* out;        // gate_up: act [T·k, I]; down: d [T·k, h]
   int n;                     // N weight rows per expert: I | h
@@ -372,14 +368,14 @@ struct GroupedGemv {
   const int32_t* ids;        // [T·k] expert ids (local)
   int num_pairs;             // T·k
   int num_experts;           // E
-  const float* gs[2];        // f32 [E] global scales of a[0], a[1] (NVFP4 down: gs[1] nullptr; BF16: both)
+  const float* gs[2];        // f32 [E] global scales of a[0], a[1] (NVFP4; down: gs[1] nullptr; BF16: both)
 };
 
 constexpr int kLocalPairs = 32;   // pairs one warp groups (lane = pair)
 
 // The grouping kernel's records for ≤ 32 pairs, built by one warp (lane = pair p) into shared
 // memory, in the same order (ascending expert, its pairs ascending): returns R (all lanes).
-__device__ int group_in_warp(const GroupedGemv& p, int cols, int4* info, int32_t* pairs, int lane) {
+__device__ int group_in_warp(const GroupedGemv& p, int cols, int2* info, int32_t* pairs, int lane) {
   const int e = lane < p.num_pairs ? p.ids[lane] : -1;
   const bool valid = e >= 0 && e < p.num_experts;
   const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1);
@@ -396,10 +392,7 @@ __device__ int group_in_warp(const GroupedGemv& p, int cols, int4* info, int32_t
   if (valid) {
     const int r = first + rank / cols;
     pairs[r * cols + rank % cols] = lane;
-    if (rank % cols == 0) {
-      info[r] = make_int4(e, min(cols, count - rank), __float_as_int(p.gs[0] != nullptr ? p.gs[0][e] : 1.0f),
-                          __float_as_int(p.gs[1] != nullptr ? p.gs[1][e] : 1.0f));
-    }
+    if (rank % cols == 0) info[r] = make_int2(e, min(cols, count - rank));
   }
   return total;
 }
@@ -410,7 +403,8 @@ struct JobSlot {
   int32_t e;              // expert
   int32_t rows;           // live columns 1..kCols
   int32_t tile;           // row tile x
-  float gs[2];            // global scale of stack a[0], a[1] (BF16: 1)
+  float gs[2];            // global scale of stack a[0], a[1] (NVFP4; cp.async'd by open, landed
+                          // with the job's first position)
   int32_t pair[kCols];    // column c's pair p (c < rows): the output row
   int32_t src[kCols];     // column c's B row: p / top_k (gate_up: the token) | p (down)
 };
@@ -451,11 +445,11 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
     pdl_launch_dependents();
   }
   // down: the records (or ids) were complete before this grid launched (see the header: PDL).
-  const int4* info = p.info;          // [R] records: the workspace, or …
+  const int2* info = p.info;          // [R] records: the workspace, or …
   const int32_t* pair_tab = p.pairs;  // [R, kCols]
   int num_records;
   if constexpr (MT == 1) {
-    __shared__ int4 local_info[kLocalPairs];                // … this CTA's own grouping
+    __shared__ int2 local_info[kLocalPairs];                // … this CTA's own grouping
     __shared__ int32_t local_pairs[kLocalPairs * kCols];
     __shared__ int32_t local_count;
     if (p.local) {   // CTA-uniform
@@ -489,7 +483,7 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
   // (ctas / tiles, ctas % tiles) per job (no division per job).
   const int step_r = ctas / p.tiles, step_x = ctas % p.tiles;
   int fetch_r = cta / p.tiles, fetch_x = cta % p.tiles;   // the next job to fetch
-  int4 pf_info = make_int4(0, 0, 0, 0);   // its record {expert, rows, gs bits, gs bits}
+  int2 pf_info = make_int2(0, 0);         // its record {expert, rows}
   int pf_pair = 0, pf_tile = 0;            // lane < kCols: its column lane's pair; its tile x
   auto fetch = [&](int i) {                // called for i = 0, 1, 2, … in order
     if (warp == 0 && i < my_jobs) {
@@ -511,9 +505,10 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
         sl.e = pf_info.x;
         sl.rows = pf_info.y;
         sl.tile = pf_tile;
-        sl.gs[0] = __int_as_float(pf_info.z);
-        sl.gs[1] = __int_as_float(pf_info.w);
       }
+      // the expert's global scales: async, in the commit group of a position ≤ job i's first,
+      // so they have landed (and a barrier passed) before its epilogue reads them
+      if (lane < 2 && p.gs[lane] != nullptr) cp_async4(smem_u32(&sl.gs[lane]), p.gs[lane] + pf_info.x);
       if (lane < kCols) {
         sl.pair[lane] = pf_pair;
         sl.src[lane] = kGateUp ? pf_pair / p.top_k : pf_pair;
@@ -882,12 +877,12 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, const Records& rec, const Work
 
   const int pairs = static_cast<int>(a.num_tokens * a.top_k);
   const bool local = local_grouping(a.num_tokens, a.top_k);
-  const GroupedGemv gate_up{static_cast<const __nv_bfloat16*>(a.x), {a.gate, a.up}, rec.count, rec.info[0],
+  const GroupedGemv gate_up{static_cast<const __nv_bfloat16*>(a.x), {a.gate, a.up}, rec.count, rec.info,
                             rec.pairs, act, a.inter, a.hidden, a.top_k, gate_up_tiles,
                             local, a.ids, pairs, a.num_experts,
                             {F::kScaled ? a.gate.global_scale : nullptr, F::kScaled ? a.up.global_scale : nullptr}};
   ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, true>(ws.mt, gate_up, ws.max_records * gate_up_tiles, stream)));
-  const GroupedGemv down{act, {a.down, a.down}, rec.count, rec.info[1], rec.pairs, d, a.hidden, a.inter, a.top_k,
+  const GroupedGemv down{act, {a.down, a.down}, rec.count, rec.info, rec.pairs, d, a.hidden, a.inter, a.top_k,
                          down_tiles, local, a.ids, pairs, a.num_experts,
                          {F::kScaled ? a.down.global_scale : nullptr, nullptr}};
   ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, false>(ws.mt, down, ws.max_records * down_tiles, stream)));
@@ -930,16 +925,14 @@ cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
   const Workspace ws = workspace_layout(a.num_tokens, a.top_k, a.num_experts, a.hidden, a.inter);
   uint8_t* base = static_cast<uint8_t*>(a.workspace);
   const Records rec{reinterpret_cast<int32_t*>(base + ws.num_records),
-                    {reinterpret_cast<int4*>(base + ws.info_gate_up), reinterpret_cast<int4*>(base + ws.info_down)},
+                    reinterpret_cast<int2*>(base + ws.info),
                     reinterpret_cast<int32_t*>(base + ws.pairs)};
   const int pairs = static_cast<int>(a.num_tokens * a.top_k);
   if (!local_grouping(a.num_tokens, a.top_k)) {
     const size_t group_smem =
         static_cast<size_t>(2 * a.num_experts + std::min(pairs, kGroupStagedIds)) * sizeof(int32_t);
     ATLAS_RETURN_IF_ERROR(launch_pdl(moe_group_kernel, dim3(1), dim3(kGroupThreads), group_smem, stream, a.ids,
-                                     pairs, a.num_experts, 8 * ws.mt, a.nvfp4 ? a.gate.global_scale : nullptr,
-                                     a.nvfp4 ? a.up.global_scale : nullptr,
-                                     a.nvfp4 ? a.down.global_scale : nullptr, rec));
+                                     pairs, a.num_experts, 8 * ws.mt, rec));
   }
   return a.nvfp4 ? launch_typed<Nvfp4Format>(a, rec, ws, stream) : launch_typed<Bf16Format>(a, rec, ws, stream);
 }
