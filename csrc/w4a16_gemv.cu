@@ -569,8 +569,8 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
 // not dequant or mma: the CTA-wide barrier, activation copies and their per-chunk permutation,
 // shared copy plans) at ≈ 69% issue utilization — issue-bound at 0.68 of copy bandwidth on the
 // 27B LM head. Here every warp runs its own pipeline:
-//   - the CTA's whole activation range (K_cta bf16, plus the raw x2 for silu / gated) is loaded
-//     once, permuted (or converted) in place into B-fragment order, behind one barrier;
+//   - the CTA's whole activation range (K_cta bf16; silu / gated: from x and x2) is loaded once
+//     through registers, permuted (or converted) into B-fragment order, behind one barrier;
 //   - each warp streams its own 16-row tile through a private kStagesM1-deep ring (lane: two
 //     16-byte weight pieces, lanes < 16 one 8-byte scale piece per chunk) and waits on its own
 //     cp.async groups with __syncwarp(): no CTA barrier in the main loop, no warp waits for
@@ -579,22 +579,20 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
 //     4w + t, so the 4 addresses of a load are 4 consecutive slots: conflict-free).
 // Same segments, same mma sequence per chunk, same sums and store (mma_chunk, SegmentSums,
 // store_rows) as w4a16_gemv_kernel: a row is bitwise the same as in an M > 1 call.
-// Shared memory: K_cta·2 (·2 raw) + W · kStagesM1 · 1152 B (K = 5120 plain: 10 + 23 KB → 6
+// Shared memory: K_cta·2 + W · kStagesM1 · 1152 B (K = 5120 plain: 10 + 23 KB → 6
 // four-warp CTAs per SM).
 constexpr int kStagesM1 = 5;
 constexpr int kWarpStageBytes = kTileN * (kRowBytes + kScaleBytes);   // 1152
 
 struct M1Layout {
   int x_off;      // [chunks][256 B]  activations, unit u of a chunk in slot m1_unit_slot(u)
-  int x2_off;     // [chunks][256 B]  silu / gated: raw x2 (same slots)
   int ring_off;   // [W][kStagesM1][16 rows × 64 B packed | 16 rows × 8 B scales]
   int bytes;
 };
-__host__ __device__ inline M1Layout m1_layout(int warps, int chunks, bool raw_operands) {
+__host__ __device__ inline M1Layout m1_layout(int warps, int chunks) {
   M1Layout l;
   l.x_off = 0;
-  l.x2_off = chunks * kXRowBytes;
-  l.ring_off = l.x2_off + (raw_operands ? chunks * kXRowBytes : 0);
+  l.ring_off = chunks * kXRowBytes;
   l.bytes = l.ring_off + warps * kStagesM1 * kWarpStageBytes;
   return l;
 }
@@ -620,7 +618,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int chunks_per_cta = plan.seg_chunks * plan.segs_per_cta;
   const int c_begin = min(split * chunks_per_cta, num_chunks);
   const int chunks = min(c_begin + chunks_per_cta, num_chunks) - c_begin;
-  const M1Layout lay = m1_layout(warps, chunks_per_cta, kRaw);
+  const M1Layout lay = m1_layout(warps, chunks_per_cta);
   const uint32_t smem_base = smem_u32(smem);
   const int tile_row0 = row0 + warp * kTileN;
   const bool warp_has_rows = tile_row0 < n_rows;
@@ -629,7 +627,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   // piece p % 4: the stage's [16][64 B] is p · 16 B), lanes < 16 row lane's 8 scale bytes.
   // Rows ≥ n zero-fill from a fixed address; pointers advance by a constant per chunk.
   const uint8_t* w_src[2];
-  int w_step[2];
+  int64_t w_step[2];                    // 64-bit: no sign extension per pointer advance
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int p = lane + 32 * j, n = tile_row0 + (p >> 2);
@@ -640,11 +638,13 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     w_step[j] = n < n_rows ? step : 0;
   }
   const uint8_t* s_src = wt.block_scale;
-  int s_step = 0;
+  int64_t s_step = 0;
   if (lane < kTileN && tile_row0 + lane < n_rows) {
     int64_t off = 0;
-    row_plan(wt, K, c_begin, tile_row0 + lane, kScaleBytes, off, s_step);
+    int step = 0;
+    row_plan(wt, K, c_begin, tile_row0 + lane, kScaleBytes, off, step);
     s_src = wt.block_scale + off;
+    s_step = step;
   }
   const int ring = lay.ring_off + warp * kStagesM1 * kWarpStageBytes;   // this warp's ring
   auto issue = [&](int stage) {
@@ -670,35 +670,47 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x / x2 and out are now safe
-  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(args.x) + static_cast<int64_t>(c_begin) * kChunkK;
-  const __nv_bfloat16* x2 =
-      kRaw ? static_cast<const __nv_bfloat16*>(args.x2) + static_cast<int64_t>(c_begin) * kChunkK : nullptr;
-  for (int i = tid; i < chunks * kXUnits; i += nthreads) {   // unit i: chunk i / 16, unit i % 16
-    const uint32_t dst = smem_base + (i >> 4) * kXRowBytes + m1_unit_slot(i & (kXUnits - 1)) * 16;
-    cp_async16(dst + lay.x_off, x + 8 * i, 16);
-    if constexpr (kRaw) cp_async16(dst + lay.x2_off, x2 + 8 * i, 16);
-  }
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
-  for (int i = tid; i < chunks * kXUnits; i += nthreads) {   // the same units, now landed
-    const int slot = (i >> 4) * kXRowBytes + m1_unit_slot(i & (kXUnits - 1)) * 16;
-    uint4* unit = reinterpret_cast<uint4*>(smem + lay.x_off + slot);
-    if constexpr (kRaw) {       // word j = bf16(act(x_j, x2_j), act(x_{j+4}, x2_{j+4})), as convert_stage
-      const __nv_bfloat16* ap = reinterpret_cast<const __nv_bfloat16*>(unit);
-      const __nv_bfloat16* bp = reinterpret_cast<const __nv_bfloat16*>(smem + lay.x2_off + slot);
-      uint32_t wd[4];
+  // Activations through registers (L2-cached loads, 4 units per thread in flight), permuted or
+  // converted, stored to their slots: no cp.async group to wait for, so the weight chunks
+  // above keep streaming and the main loop starts as soon as its first chunk lands.
+  const uint4* x = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(args.x) +
+                                                  static_cast<int64_t>(c_begin) * kChunkK);
+  const uint4* x2 = kRaw ? reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(args.x2) +
+                                                          static_cast<int64_t>(c_begin) * kChunkK)
+                         : nullptr;
+  constexpr int kUnitBatch = 4;
+  const int units = chunks * kXUnits;                           // unit i: chunk i / 16, unit i % 16
+  for (int i0 = tid; i0 < units; i0 += kUnitBatch * nthreads) {
+    uint4 a[kUnitBatch], b[kUnitBatch];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float lo = activation_f32<kAct>(__bfloat162float(ap[j]), __bfloat162float(bp[j]));
-        const float hi = activation_f32<kAct>(__bfloat162float(ap[j + 4]), __bfloat162float(bp[j + 4]));
-        wd[j] = bf162_bits(__floats2bfloat162_rn(lo, hi));
+    for (int j = 0; j < kUnitBatch; ++j) {
+      const int i = i0 + j * nthreads;
+      if (i < units) {
+        a[j] = __ldcg(x + i);
+        if constexpr (kRaw) b[j] = __ldcg(x2 + i);
       }
-      *unit = make_uint4(wd[0], wd[1], wd[2], wd[3]);
-    } else {                    // (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7)
-      const uint4 a = *unit;
-      *unit = make_uint4(prmt(a.x, a.z, 0x5410), prmt(a.x, a.z, 0x7632),
-                         prmt(a.y, a.w, 0x5410), prmt(a.y, a.w, 0x7632));
+    }
+#pragma unroll
+    for (int j = 0; j < kUnitBatch; ++j) {
+      const int i = i0 + j * nthreads;
+      if (i >= units) break;
+      uint4* unit = reinterpret_cast<uint4*>(smem + lay.x_off + (i >> 4) * kXRowBytes +
+                                             m1_unit_slot(i & (kXUnits - 1)) * 16);
+      if constexpr (kRaw) {     // word q = bf16(act(x_q, x2_q), act(x_{q+4}, x2_{q+4})), as convert_stage
+        const __nv_bfloat16* ap = reinterpret_cast<const __nv_bfloat16*>(&a[j]);
+        const __nv_bfloat16* bp = reinterpret_cast<const __nv_bfloat16*>(&b[j]);
+        uint32_t wd[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float lo = activation_f32<kAct>(__bfloat162float(ap[q]), __bfloat162float(bp[q]));
+          const float hi = activation_f32<kAct>(__bfloat162float(ap[q + 4]), __bfloat162float(bp[q + 4]));
+          wd[q] = bf162_bits(__floats2bfloat162_rn(lo, hi));
+        }
+        *unit = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+      } else {                  // (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7)
+        *unit = make_uint4(prmt(a[j].x, a[j].z, 0x5410), prmt(a[j].x, a[j].z, 0x7632),
+                           prmt(a[j].y, a[j].w, 0x5410), prmt(a[j].y, a[j].w, 0x7632));
+      }
     }
   }
   __syncthreads();
@@ -791,7 +803,7 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
 constexpr int kM1MaxSmem = 160 * 1024;
 int m1_smem(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, const SplitPlan& plan) {
   if (a.m != 1 || !vec) return 0;
-  const int bytes = std::max(m1_layout(warps, plan.seg_chunks * plan.segs_per_cta, a.act != GemvAct::kPlain).bytes,
+  const int bytes = std::max(m1_layout(warps, plan.seg_chunks * plan.segs_per_cta).bytes,
                              partial_bytes(grid, plan, warps, 1));
   return bytes <= kM1MaxSmem ? bytes : 0;
 }
