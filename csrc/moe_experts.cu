@@ -775,13 +775,22 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(
   __shared__ bool valid_s[kMoeExpertsMaxTopK];   // ids[t, j] in [0, E): d row written
   const int64_t t = blockIdx.y;
   const int n0 = (blockIdx.x * kCombineThreads + threadIdx.x) * kCombineVec;
-  pdl_wait();                  // d comes from the down kernel
-  pdl_launch_dependents();
+  const int64_t o = t * hidden + n0;
+  // ids, weights and the shared-expert inputs come from ops before moe_experts, complete before
+  // this grid launched (header: PDL): read before the wait, so only d's round trip follows it
   if (threadIdx.x < top_k) {
     const int e = ids[t * top_k + threadIdx.x];
     valid_s[threadIdx.x] = e >= 0 && e < num_experts;
     w_s[threadIdx.x] = weights[t * top_k + threadIdx.x];
   }
+  float shared_term[kCombineVec] = {};   // sigmoid(shared_gate[t]) · shared[t, n0 .. n0+8]
+  if (shared != nullptr && n0 < hidden) {   // element loads: `shared` may be any contiguous bf16 view
+    const float sg = __bfloat162float(shared_gate[t * shared_gate_stride]);
+#pragma unroll
+    for (int i = 0; i < kCombineVec; ++i) shared_term[i] = __bfloat162float(shared[o + i]) / (1.0f + expf(-sg));
+  }
+  pdl_wait();                  // d comes from the down kernel
+  pdl_launch_dependents();
   __syncthreads();
   if (n0 >= hidden) return;
   float acc[kCombineVec] = {};
@@ -797,14 +806,10 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(
       acc[2 * i + 1] = fmaf(w_s[j], f.y, acc[2 * i + 1]);
     }
   }
-  const int64_t o = t * hidden + n0;
-  if (shared != nullptr) {   // element loads: `shared` may be any contiguous bf16 view (2-byte aligned)
-    const float sg = __bfloat162float(shared_gate[t * shared_gate_stride]);
+  if (shared != nullptr) {
     __align__(16) __nv_bfloat16 r[kCombineVec];
 #pragma unroll
-    for (int i = 0; i < kCombineVec; ++i) {
-      r[i] = __float2bfloat16(acc[i] + __bfloat162float(shared[o + i]) / (1.0f + expf(-sg)));
-    }
+    for (int i = 0; i < kCombineVec; ++i) r[i] = __float2bfloat16(acc[i] + shared_term[i]);
     *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(out) + o) = *reinterpret_cast<const uint4*>(r);
   } else if (out_bf16) {
     __align__(16) __nv_bfloat16 r[kCombineVec];
