@@ -37,7 +37,10 @@
 //      its C pair ids) is loaded into warp 0's registers one job ahead and written to a smem
 //      job slot (kMetaSlots in a ring) before the step that first issues its chunks; the
 //      expert's global scales follow by cp.async into the slot, landing with its first chunk.
-//      gate_up: 256 threads = 2 K groups × 4 tile warps, one 16-row A tile each; tiles = I / 32.
+//      gate_up: 256 threads = 2 K groups × 4 tile warps, one 16-row A tile each; tiles = I / 32
+//      (T·k ≤ 32: 128 threads = 2 K groups × 2 tile warps, tiles = I / 16 — B = 1's 9 experts
+//      then make 288 jobs of 36 KB for 132 SMs, ≤ 1.5 of the 72 KB jobs per SM, where 144 jobs
+//      put two whole jobs on 12 SMs; the job geometry never changes a dot's bits).
 //      Tile warps 2j and 2j+1 own the gate and the up rows n = 32x + 16j .. +16, so silu(g)·u
 //      fuses in the epilogue (the up warp hands bf16(u) to the gate warp through 2 KB of smem);
 //      K group kg computes the 128-k chunks c ≡ kg (mod 2) and the two partials are added
@@ -85,7 +88,9 @@
 //     reading anything. down reads the records (or the ids) and issues its first kStages − KG
 //     chunks of weights BEFORE griddepcontrol.wait: it is launched only once every gate_up CTA
 //     has executed launch_dependents or exited, and every gate_up CTA does either only after its
-//     own wait, which returns once the grouping grid (the ids' producer) has completed. Every CTA of every launch waits before it exits, so each grid's completion
+//     own wait, which returns once the grouping grid (the ids' producer) has completed. The
+//     combine reads ids, weights and the shared-expert inputs before its wait for the same
+//     reason. Every CTA of every launch waits before it exits, so each grid's completion
 //     implies its predecessors' (the workspace may be reused by the stream's next op).
 //
 // Batch invariance: a pair's dot is the same bits whatever else is in the batch — its column's
@@ -249,16 +254,14 @@ __global__ void __launch_bounds__(kGroupThreads) moe_group_kernel(
 
 // ---- 2, 3. persistent grouped GEMV on tensor cores -------------------------------------------
 
-constexpr int kWarps = 4;                                 // one 16-row A tile each
-constexpr int kThreads = 32 * kWarps;
+constexpr int kWarps = 4;                                 // tile warps per job (one 16-row A tile each)
+constexpr int kLocalGateUpWarps = 2;                      // … gate_up at T·k ≤ 32: jobs of 16 I-rows
 constexpr int kTileN = 16;                                // rows of one mma A tile
-constexpr int kCtaRows = kWarps * kTileN;                 // 64 weight rows staged per job
-constexpr int kGateUpRows = kCtaRows / 2;                 // gate_up: 32 I-rows per job (gate and up)
+constexpr int kCtaRows = kWarps * kTileN;                 // 64 weight rows staged per down job
 constexpr int kChunkK = 128;                              // K per pipeline stage
 constexpr int kXRowBytes = kChunkK * 2;                   // 256 activation bytes per row per chunk
 constexpr int kXUnits = kXRowBytes / 16;                  // 16 units of 8 bf16
 constexpr int kMetaSlots = 16;                            // job slots per CTA (ring, power of 2)
-static_assert(kThreads >= kCtaRows, "thread tid < 64 owns the scale bytes of local row tid");
 
 // (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7): the K permutation of one 16-byte bf16 unit, giving
 // the B fragment (activations) or the A fragment registers (BF16 weights) of mma steps h = 0, 1.
@@ -333,18 +336,19 @@ struct StageLayout {
   int bytes;
 };
 
-template <class F, int MT>
+template <class F, int MT, int TW>
 __host__ __device__ constexpr StageLayout stage_layout() {
-  return StageLayout{0, kCtaRows * F::kRowBytes, kCtaRows * (F::kRowBytes + F::kScaleBytes),
-                     kCtaRows * (F::kRowBytes + F::kScaleBytes) + 8 * MT * kXRowBytes};
+  constexpr int rows = TW * kTileN;
+  return StageLayout{0, rows * F::kRowBytes, rows * (F::kRowBytes + F::kScaleBytes),
+                     rows * (F::kRowBytes + F::kScaleBytes) + 8 * MT * kXRowBytes};
 }
 
 // Resident CTAs per SM the launch bounds ask for: NVFP4 MT = 1 gate_up 3 × 256 threads (≤ 80
-// registers), down 6 × 128 (≤ 80; the smem of 5 stages allows 6); else 2 (MT = 4's 6 stages of
-// 12.5 KB and BF16's 18 KB stages allow no more).
+// registers; TW = 2: 5 × 128, as many as 8 stages of smem allow), down 6 × 128 (≤ 80; the smem of
+// 5 stages allows 6); else 2 (MT = 4's 6 stages of 12.5 KB and BF16's 18 KB stages allow no more).
 template <class F>
-__host__ __device__ constexpr int min_blocks(int mt, int kg) {
-  return F::kScaled && mt == 1 ? (kg == 1 ? 6 : 3) : 2;
+__host__ __device__ constexpr int min_blocks(int mt, int kg, int tw) {
+  return F::kScaled && mt == 1 ? (kg == 1 ? 6 : (tw == kWarps ? 3 : 5)) : 2;
 }
 
 // 4-byte async copy (a global scale into a job slot), in the thread's current commit group.
@@ -409,20 +413,25 @@ struct JobSlot {
   int32_t src[kCols];     // column c's B row: p / top_k (gate_up: the token) | p (down)
 };
 
-// grid (persistent; see the header), block 128·KG. Warp w: tile warp tw = w % 4 (local rows
-// 16·tw .. +16), K group kg = w / 4 (KG K groups: group kg computes the chunks c ≡ kg mod KG;
-// the partials are summed acc_0 + acc_1 in that order). gate_up: tile tw = 2j is gate rows
-// n = 32x + 16j + (0..15), tw = 2j + 1 the up rows of the same n; act[p, n] =
+// grid (persistent; see the header), block 32·TW·KG. TW tile warps per job (4; gate_up at
+// T·k ≤ 32: 2, jobs of 16 I-rows, so B = 1's 9 experts make 288 jobs for 132 SMs instead of 144).
+// Warp w: tile warp tw = w % TW (local rows 16·tw .. +16), K group kg = w / TW (KG K groups:
+// group kg computes the chunks c ≡ kg mod KG; the partials are summed acc_0 + acc_1 in that
+// order; the job geometry never changes a dot's bits). gate_up: tile tw = 2j is gate rows
+// n = 8·TW·x + 16j + (0..15), tw = 2j + 1 the up rows of the same n; act[p, n] =
 // bf16(silu(bf16(gate·x)) · bf16(up·x)). down: rows n = 64x + 16·tw + (0..15),
 // d[p, n] = bf16(down·act[p]).
-template <class F, bool kGateUp, int MT, int KG>
-__global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
+template <class F, bool kGateUp, int MT, int KG, int TW>
+__global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
     moe_grouped_gemv_kernel(const __grid_constant__ GroupedGemv p) {
-  constexpr StageLayout lay = stage_layout<F, MT>();
+  constexpr StageLayout lay = stage_layout<F, MT, TW>();
+  constexpr int kJobRows = TW * kTileN;   // weight rows per job (gate_up: half gate, half up)
   constexpr int kStages = F::stages(MT, KG);
   constexpr int kAhead = kStages - KG;   // positions issued ahead of a step's first
   constexpr int kCols = 8 * MT;
-  constexpr int kCtaThreads = kThreads * KG;
+  constexpr int kCtaThreads = 32 * TW * KG;
+  static_assert(kCtaThreads >= kJobRows, "thread tid < kJobRows owns the scale bytes of local row tid");
+  static_assert(!kGateUp ? TW == kWarps : TW % 2 == 0, "gate_up tiles come in (gate, up) pairs");
   static_assert(kStages >= 2 * KG, "a step consumes KG positions and refills KG stages");
   // slot (i mod kMetaSlots) is rewritten for job i only when job i − kMetaSlots's last position
   // (≤ i's first − kMetaSlots + 1 − 1) is ≥ 2 steps behind the compute position (≥ i's first −
@@ -430,10 +439,10 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
   static_assert(kMetaSlots >= kStages + 2 * KG + 1, "job slots outlive their readers");
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ JobSlot<kCols> slots[kMetaSlots];
-  __shared__ float part[KG > 1 ? kWarps * MT * 4 * 32 : 1];                    // [4 warps][MT][4][32 lanes]
-  __shared__ float up_s[kGateUp ? kWarps / 2 : 1][kGateUp ? kTileN : 1][kGateUp ? kCols : 1];   // bf16(up)
+  __shared__ float part[KG > 1 ? TW * MT * 4 * 32 : 1];                        // [TW warps][MT][4][32 lanes]
+  __shared__ float up_s[kGateUp ? TW / 2 : 1][kGateUp ? kTileN : 1][kGateUp ? kCols : 1];   // bf16(up)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int tw = warp % kWarps, kg = warp / kWarps;   // tile warp, K group
+  const int tw = warp % TW, kg = warp / TW;   // tile warp, K group
   const uint32_t smem_base = smem_u32(smem);
   const int K = p.k, N = p.n;
   const int nc = ceil_div(K, kChunkK);            // chunks per job
@@ -471,11 +480,11 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
   const int cta = blockIdx.x, ctas = gridDim.x;
   const int my_jobs = cta < num_jobs ? ceil_div(num_jobs - cta, ctas) : 0;   // jobs cta + i·ctas
 
-  // local weight row lr (0..63) of row tile x → its row n of the expert, in stack a[i]
+  // local weight row lr (0 .. kJobRows − 1) of row tile x → its row n of the expert, in stack a[i]
   auto row_of = [&](int x, int lr, int& i) {
     const int tile = lr / kTileN;
     i = kGateUp ? tile % 2 : 0;
-    return kGateUp ? x * kGateUpRows + (tile / 2) * kTileN + lr % kTileN : x * kCtaRows + lr;
+    return kGateUp ? x * (kJobRows / 2) + (tile / 2) * kTileN + lr % kTileN : x * kJobRows + lr;
   };
 
   // ---- job records: warp 0 holds job i + 1's in registers while job i's slot is in use ----
@@ -530,10 +539,10 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
     if (++q.stage == kStages) q.stage = 0;
   };
   // The thread's sources for the job the copies are in (set at its chunk 0 by enter): weight
-  // piece j = 16 bytes u of local row lr (q = tid + kCtaThreads·j), its scale row (tid < 64),
+  // piece j = 16 bytes u of local row lr (q = tid + kCtaThreads·j), its scale row (tid < kJobRows),
   // activation unit x_u of rows x_r0 + kXRowStep·m. nullptr: row ≥ N | column ≥ rows.
-  constexpr int kWPieces = kCtaRows * F::kPieces / kCtaThreads;
-  static_assert(kCtaRows * F::kPieces % kCtaThreads == 0, "whole pieces per thread");
+  constexpr int kWPieces = kJobRows * F::kPieces / kCtaThreads;
+  static_assert(kJobRows * F::kPieces % kCtaThreads == 0, "whole pieces per thread");
   const int x_u = tid % kXUnits, x_r0 = tid / kXUnits;
   constexpr int kXRowStep = kCtaThreads / kXUnits;
   constexpr int kXRows = (kCols + kXRowStep - 1) / kXRowStep;
@@ -553,7 +562,7 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
     }
     if constexpr (F::kScaled) {
       int i;
-      const int n = row_of(sl.tile, tid % kCtaRows, i);
+      const int n = row_of(sl.tile, tid % kJobRows, i);
       s_src = n < N ? (i ? p.a[1].block_scale : p.a[0].block_scale) + (row0_e + n) * (K / 16) : nullptr;
     }
 #pragma unroll
@@ -572,7 +581,7 @@ __global__ void __launch_bounds__(kThreads * KG, min_blocks<F>(MT, KG))
                  ok ? 16 : 0);
     }
     if constexpr (F::kScaled) {
-      if (tid >= kCtaRows) return;
+      if (tid >= kJobRows) return;
       if (k_vec) {
         cp_async8(smem_base + st + lay.s_off + tid * F::kScaleBytes,
                   s_src != nullptr ? s_src + c * F::kScaleBytes : p.a[0].block_scale, s_src != nullptr ? 8 : 0);
@@ -835,20 +844,21 @@ bool local_grouping(int64_t num_tokens, int top_k) {
 
 constexpr int kMaxDevices = 64;   // per-device bookkeeping
 
-// K groups per CTA: gate_up 2 (8 warps; B = 1 has 144 gate_up jobs for 132 SMs, so a warp's
-// 16-chunk dequant chain halves), down 1 (I = 512 is only 4 chunks). A function of the role
-// only, never of T: the K order of a dot must not depend on the batch.
+// K groups per CTA: gate_up 2 (B = 1 has few gate_up jobs for 132 SMs, so a warp's 16-chunk
+// dequant chain halves), down 1 (I = 512 is only 4 chunks). A function of the role only, never
+// of T: the K order of a dot must not depend on the batch.
 constexpr int kGateUpKGroups = 2;
 constexpr int kDownKGroups = 1;
 
 // Persistent grid: every CTA that fits the device at once (SMs × resident CTAs per SM for this
 // instance and smem), at most jobs_bound. Queried once per device and instance (later calls,
 // e.g. under graph capture, make no attribute call).
-template <class F, bool kGateUp, int MT>
+template <class F, bool kGateUp, int MT, int TW>
 cudaError_t launch_grouped_gemv(const GroupedGemv& p, int jobs_bound, cudaStream_t stream) {
   constexpr int kg = kGateUp ? kGateUpKGroups : kDownKGroups;
-  auto kernel = moe_grouped_gemv_kernel<F, kGateUp, MT, kg>;
-  constexpr int smem = F::stages(MT, kg) * stage_layout<F, MT>().bytes;
+  constexpr int threads = 32 * TW * kg;
+  auto kernel = moe_grouped_gemv_kernel<F, kGateUp, MT, kg, TW>;
+  constexpr int smem = F::stages(MT, kg) * stage_layout<F, MT, TW>().bytes;
   static int resident[kMaxDevices] = {};   // CTAs of this instance the device holds at once
   int dev = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
@@ -858,19 +868,12 @@ cudaError_t launch_grouped_gemv(const GroupedGemv& p, int jobs_bound, cudaStream
       ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     }
     int per_sm = 0, sms = 0;
-    ATLAS_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads * kg, smem));
+    ATLAS_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
     ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     resident[dev] = std::max(1, per_sm) * std::max(1, sms);
   }
   const int grid = std::max(1, std::min(resident[dev], jobs_bound));
-  return launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads * kg), static_cast<size_t>(smem), stream,
-                    p);
-}
-
-template <class F, bool kGateUp>
-cudaError_t launch_grouped_gemv_mt(int mt, const GroupedGemv& p, int jobs_bound, cudaStream_t stream) {
-  return mt == 1 ? launch_grouped_gemv<F, kGateUp, 1>(p, jobs_bound, stream)
-                 : launch_grouped_gemv<F, kGateUp, kMaxMT>(p, jobs_bound, stream);
+  return launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), static_cast<size_t>(smem), stream, p);
 }
 
 template <class F>
@@ -878,19 +881,25 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, const Records& rec, const Work
   uint8_t* base = static_cast<uint8_t*>(a.workspace);
   auto* act = reinterpret_cast<__nv_bfloat16*>(base + ws.act);
   auto* d = reinterpret_cast<__nv_bfloat16*>(base + ws.d);
-  const int gate_up_tiles = a.inter / kGateUpRows, down_tiles = ceil_div(a.hidden, kCtaRows);
-
   const int pairs = static_cast<int>(a.num_tokens * a.top_k);
-  const bool local = local_grouping(a.num_tokens, a.top_k);
+  const bool local = local_grouping(a.num_tokens, a.top_k);   // implies MT = 1
+  const int gate_up_warps = local ? kLocalGateUpWarps : kWarps;   // tile warps per gate_up job
+  const int gate_up_tiles = a.inter / (gate_up_warps * kTileN / 2), down_tiles = ceil_div(a.hidden, kCtaRows);
+
   const GroupedGemv gate_up{static_cast<const __nv_bfloat16*>(a.x), {a.gate, a.up}, rec.count, rec.info,
                             rec.pairs, act, a.inter, a.hidden, a.top_k, gate_up_tiles,
                             local, a.ids, pairs, a.num_experts,
                             {F::kScaled ? a.gate.global_scale : nullptr, F::kScaled ? a.up.global_scale : nullptr}};
-  ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, true>(ws.mt, gate_up, ws.max_records * gate_up_tiles, stream)));
+  const int gate_up_jobs = ws.max_records * gate_up_tiles;
+  ATLAS_RETURN_IF_ERROR((local ? launch_grouped_gemv<F, true, 1, kLocalGateUpWarps>(gate_up, gate_up_jobs, stream)
+                         : ws.mt == 1 ? launch_grouped_gemv<F, true, 1, kWarps>(gate_up, gate_up_jobs, stream)
+                                      : launch_grouped_gemv<F, true, kMaxMT, kWarps>(gate_up, gate_up_jobs, stream)));
   const GroupedGemv down{act, {a.down, a.down}, rec.count, rec.info, rec.pairs, d, a.hidden, a.inter, a.top_k,
                          down_tiles, local, a.ids, pairs, a.num_experts,
                          {F::kScaled ? a.down.global_scale : nullptr, nullptr}};
-  ATLAS_RETURN_IF_ERROR((launch_grouped_gemv_mt<F, false>(ws.mt, down, ws.max_records * down_tiles, stream)));
+  const int down_jobs = ws.max_records * down_tiles;
+  ATLAS_RETURN_IF_ERROR((ws.mt == 1 ? launch_grouped_gemv<F, false, 1, kWarps>(down, down_jobs, stream)
+                                    : launch_grouped_gemv<F, false, kMaxMT, kWarps>(down, down_jobs, stream)));
   return launch_pdl(moe_combine_kernel,
                     dim3(static_cast<unsigned>(ceil_div(a.hidden, kCombineThreads * kCombineVec)),
                          static_cast<unsigned>(a.num_tokens)),
