@@ -540,15 +540,20 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
   };
   // The thread's sources for the job the copies are in (set at its chunk 0 by enter): weight
   // piece j = 16 bytes u of local row lr (q = tid + kCtaThreads·j), its scale row (tid < kJobRows),
-  // activation unit x_u of rows x_r0 + kXRowStep·m. nullptr: row ≥ N | column ≥ rows.
+  // activation unit x_u of rows r = x_r0 + kXRowStep·m < kCols. A weight row ≥ N or an activation
+  // row ≥ the job's rows copies 0 source bytes (zero fill) from a valid dummy address, so whole
+  // chunks need no test per copy.
   constexpr int kWPieces = kJobRows * F::kPieces / kCtaThreads;
   static_assert(kJobRows * F::kPieces % kCtaThreads == 0, "whole pieces per thread");
   const int x_u = tid % kXUnits, x_r0 = tid / kXUnits;
   constexpr int kXRowStep = kCtaThreads / kXUnits;
   constexpr int kXRows = (kCols + kXRowStep - 1) / kXRowStep;
   const uint8_t* w_src[kWPieces];
-  const uint8_t* s_src = nullptr;
+  bool w_live[kWPieces];                 // row < N (else zero fill)
+  const uint8_t* s_src = p.a[0].block_scale;
+  bool s_live = false;
   const __nv_bfloat16* x_src[kXRows];
+  bool x_live[kXRows];                   // column < rows
   auto enter = [&](const JobSlot<kCols>& sl) {
     const int64_t row0_e = static_cast<int64_t>(sl.e) * N;
 #pragma unroll
@@ -556,51 +561,65 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
       const int q = tid + kCtaThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
       int i;
       const int n = row_of(sl.tile, lr, i);
-      w_src[j] = n < N ? static_cast<const uint8_t*>(i ? p.a[1].weight : p.a[0].weight) +
-                             (row0_e + n) * F::row_bytes(K) + u * 16
-                       : nullptr;
+      const bool live = kGateUp || n < N;   // gate_up tiles divide I exactly
+      w_src[j] = live ? static_cast<const uint8_t*>(i ? p.a[1].weight : p.a[0].weight) +
+                            (row0_e + n) * F::row_bytes(K) + u * 16
+                      : static_cast<const uint8_t*>(p.a[0].weight);
+      w_live[j] = live;
     }
     if constexpr (F::kScaled) {
       int i;
       const int n = row_of(sl.tile, tid % kJobRows, i);
-      s_src = n < N ? (i ? p.a[1].block_scale : p.a[0].block_scale) + (row0_e + n) * (K / 16) : nullptr;
+      const bool live = kGateUp || n < N;
+      s_src = live ? (i ? p.a[1].block_scale : p.a[0].block_scale) + (row0_e + n) * (K / 16) : p.a[0].block_scale;
+      s_live = live;
     }
 #pragma unroll
     for (int m = 0; m < kXRows; ++m) {
       const int r = x_r0 + kXRowStep * m;
-      x_src[m] = r < sl.rows ? p.b + static_cast<int64_t>(sl.src[r]) * K + 8 * x_u : nullptr;
+      x_src[m] = r < sl.rows ? p.b + static_cast<int64_t>(sl.src[r]) * K + 8 * x_u : p.b;
+      x_live[m] = r < sl.rows;
     }
   };
   auto issue_weights = [&](int st, int c) {
-    const int k_rem = K - c * kChunkK;
+    if (k_vec) {   // whole chunks (CTA-uniform)
+#pragma unroll
+      for (int j = 0; j < kWPieces; ++j) {
+        const int q = tid + kCtaThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
+        cp_async16(smem_base + st + lay.w_off + F::slot(lr, u), w_src[j] + c * F::kRowBytes, w_live[j] ? 16 : 0);
+      }
+      if constexpr (F::kScaled) {
+        if (tid < kJobRows) {
+          cp_async8(smem_base + st + lay.s_off + tid * F::kScaleBytes, s_src + c * F::kScaleBytes, s_live ? 8 : 0);
+        }
+      }
+      return;
+    }
+    const int k_rem = K - c * kChunkK;   // K tail (K % 32 == 0): pieces past K zero-filled
 #pragma unroll
     for (int j = 0; j < kWPieces; ++j) {
       const int q = tid + kCtaThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
-      const bool ok = w_src[j] != nullptr && u * F::kPieceK < k_rem;
+      const bool ok = w_live[j] && u * F::kPieceK < k_rem;
       cp_async16(smem_base + st + lay.w_off + F::slot(lr, u), ok ? w_src[j] + c * F::kRowBytes : p.a[0].weight,
                  ok ? 16 : 0);
     }
-    if constexpr (F::kScaled) {
+    if constexpr (F::kScaled) {   // a row's scales are only 2-byte aligned (K/16 even): 16-bit loads
       if (tid >= kJobRows) return;
-      if (k_vec) {
-        cp_async8(smem_base + st + lay.s_off + tid * F::kScaleBytes,
-                  s_src != nullptr ? s_src + c * F::kScaleBytes : p.a[0].block_scale, s_src != nullptr ? 8 : 0);
-      } else {   // K % 128 != 0: a row's scales are only 2-byte aligned (K/16 even)
-        uint16_t* dst = reinterpret_cast<uint16_t*>(smem + st + lay.s_off + tid * F::kScaleBytes);
+      uint16_t* dst = reinterpret_cast<uint16_t*>(smem + st + lay.s_off + tid * F::kScaleBytes);
 #pragma unroll
-        for (int j = 0; j < F::kScaleBytes / 2; ++j) {
-          const bool ok = s_src != nullptr && 32 * j < k_rem;
-          dst[j] = ok ? __ldg(reinterpret_cast<const uint16_t*>(s_src + c * F::kScaleBytes) + j) : uint16_t(0);
-        }
+      for (int j = 0; j < F::kScaleBytes / 2; ++j) {
+        const bool ok = s_live && 32 * j < k_rem;
+        dst[j] = ok ? __ldg(reinterpret_cast<const uint16_t*>(s_src + c * F::kScaleBytes) + j) : uint16_t(0);
       }
     }
   };
   auto issue_acts = [&](int st, int c) {
-    const bool ok = 8 * x_u < K - c * kChunkK;
+    const bool k_ok = k_vec || 8 * x_u < K - c * kChunkK;
 #pragma unroll
     for (int m = 0; m < kXRows; ++m) {
-      if (x_src[m] == nullptr) break;   // rows beyond the job's columns
       const int r = x_r0 + kXRowStep * m;
+      if (r >= kCols) break;   // thread-constant
+      const bool ok = k_ok && x_live[m];
       cp_async16(smem_base + st + lay.x_off + r * kXRowBytes + bf16_unit_slot(r, x_u) * 16,
                  ok ? x_src[m] + c * kChunkK : p.b, ok ? 16 : 0);
     }
