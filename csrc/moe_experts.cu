@@ -79,10 +79,11 @@
 //     activation row per 16 threads, from per-thread source pointers set once per job; the
 //     position, job and stage cursors advance by counters (no integer division in the loop).
 //     K tails (K % 32 == 0) zero-fill weights and activations. ptxas (NVFP4, MT = 1): gate_up 79
-//     registers under __launch_bounds__(256, 3), down 80 under (128, 6); no spills. SASS of one
-//     down step ≈ 330 instructions (dequant 153, mma + fragments ≈ 55, copies ≈ 65, cursors,
-//     slot reads and the barrier ≈ 55), ≈ w4a16_gemv v2's ≈ 280–290 per chunk.
-//   Activation rows ≥ the record's rows are never written (stale smem): they feed only mma
+//     registers under __launch_bounds__(256, 3) (TW = 2: 92 under (128, 5)), down 76 under
+//     (128, 6); no spills. SASS of one down step ≈ 300 instructions (dequant 153, mma +
+//     fragments ≈ 40, copies ≈ 50, cursors, slot reads and the barrier ≈ 55), ≈ w4a16_gemv
+//     v2's ≈ 280–290 per chunk.
+//   Activation rows ≥ the record's rows are zero-filled or stale: they feed only mma
 //     columns ≥ rows, which are never stored (mma columns are independent dot products).
 //   PDL: gate_up waits for the grouping kernel (local grouping: for the ids' producer) before
 //     reading anything. down reads the records (or the ids) and issues its first kStages − KG
