@@ -352,6 +352,8 @@ __host__ __device__ constexpr int min_blocks(int mt, int kg, int tw) {
   return F::kScaled && mt == 1 ? (kg == 1 ? 6 : (tw == kWarps ? 3 : 5)) : 2;
 }
 
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
 // 4-byte async copy (a global scale into a job slot), in the thread's current commit group.
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
@@ -455,6 +457,12 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
     pdl_launch_dependents();
   }
   // down: the records (or ids) were complete before this grid launched (see the header: PDL).
+  const int cta = blockIdx.x, ctas = gridDim.x;
+  if (warp == 0 && !p.local) {   // job 0's record into L1 in the round trip of R (fetch(0) reads it;
+    const int r0 = cta / p.tiles;   // in bounds whatever R is: the grid is ≤ R_max · tiles)
+    prefetch_l1(p.info + r0);
+    if (lane < kCols) prefetch_l1(p.pairs + static_cast<int64_t>(r0) * kCols + lane);
+  }
   const int2* info = p.info;          // [R] records: the workspace, or …
   const int32_t* pair_tab = p.pairs;  // [R, kCols]
   int num_records;
@@ -478,7 +486,6 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
     num_records = *p.num_records;
   }
   const int num_jobs = num_records * p.tiles;
-  const int cta = blockIdx.x, ctas = gridDim.x;
   const int my_jobs = cta < num_jobs ? ceil_div(num_jobs - cta, ctas) : 0;   // jobs cta + i·ctas
 
   // local weight row lr (0 .. kJobRows − 1) of row tile x → its row n of the expert, in stack a[i]
