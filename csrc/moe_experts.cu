@@ -35,7 +35,7 @@
 //      jobs' first chunks are in flight while this job's last ones are computed, so a job
 //      boundary costs no DRAM round trip and no launch. A job's record (expert, rows,
 //      its C pair ids) is loaded into warp 0's registers one job ahead and written to a smem
-//      job slot (kMetaSlots in a ring) before the step that first issues its chunks; the
+//      job slot (kSlots in a ring) before the step that first issues its chunks; the
 //      expert's global scales follow by cp.async into the slot, landing with its first chunk.
 //      gate_up: 256 threads = 2 K groups × 4 tile warps, one 16-row A tile each; tiles = I / 32
 //      (T·k ≤ 32: 128 threads = 2 K groups × 2 tile warps, tiles = I / 16 — B = 1's 9 experts
@@ -67,22 +67,25 @@
 //     fragment is the 16-byte activation unit k 32t+8w .. +8 of row g, permuted by 4 prmt at
 //     read time (gate_up; down's act units are stored permuted; BF16 weights get the same
 //     permutation).
-//   pipeline: the CTA's jobs are one flat sequence of positions, ceil(nc / KG)·KG per job (nc =
-//     ceil(K / 128) chunks; positions ≥ nc of a job are empty when KG ∤ nc); kStages cp.async
+//   pipeline: the CTA's jobs are one flat sequence of positions, ceil(nc / P)·P per job (nc =
+//     ceil(K / 128) chunks, P = KG·CW positions per step, CW chunks per warp and step: 2 for
+//     NVFP4 at MT = 1, else 1; positions ≥ nc of a job are empty when P ∤ nc); kStages cp.async
 //     stages (Format::stages), position q in stage q % kStages; one commit group per position;
-//     step s computes positions s·KG + kg (K group kg) and issues positions s·KG + kStages − KG
-//     + j (j < KG) after one barrier. A stage holds 64 weight rows × 64 B (NVFP4) | 256 B (BF16),
-//     64 × 8 scale bytes (NVFP4), 8·MT activation rows × 256 B (16-byte units swizzled by
+//     step s computes positions s·P + kg + KG·w (K group kg, w < CW, in that order) and issues
+//     positions s·P + kStages − P + j (j < P) after one barrier, so the barrier, the cursors and
+//     the job-slot reads are paid once per CW chunks. A stage holds 16·TW weight rows × 64 B
+//     (NVFP4) | 256 B (BF16),
+//     16·TW × 8 scale bytes (NVFP4), 8·MT activation rows × 256 B (16-byte units swizzled by
 //     bf16_unit_slot: conflict-free fragment loads). Copies: 16-byte weight pieces (contiguous
 //     per row: conflict-free smem writes), 8 scale bytes per thread < 64 (K % 128 == 0; else
 //     16-bit loads, synchronous: only odd test shapes take it), one 16-byte unit per live
 //     activation row per 16 threads, from per-thread source pointers set once per job; the
 //     position, job and stage cursors advance by counters (no integer division in the loop).
-//     K tails (K % 32 == 0) zero-fill weights and activations. ptxas (NVFP4, MT = 1): gate_up 79
-//     registers under __launch_bounds__(256, 3) (TW = 2: 92 under (128, 5)), down 76 under
-//     (128, 6); no spills. SASS of one down step ≈ 300 instructions (dequant 153, mma +
-//     fragments ≈ 40, copies ≈ 50, cursors, slot reads and the barrier ≈ 55), ≈ w4a16_gemv
-//     v2's ≈ 280–290 per chunk.
+//     K tails (K % 32 == 0) zero-fill weights and activations. ptxas (NVFP4, MT = 1): gate_up 80
+//     registers under __launch_bounds__(256, 3) (TW = 2: 96 under (128, 4)), down 79 under
+//     (128, 6); no spills. SASS of one down step (2 chunks) ≈ 560 instructions: per chunk ≈ 280
+//     (dequant 153, mma + fragments ≈ 45, copies ≈ 54, cursors, slot reads, the barrier ≈ 30),
+//     ≈ w4a16_gemv v2's ≈ 280–290.
 //   Activation rows ≥ the record's rows are zero-filled or stale: they feed only mma
 //     columns ≥ rows, which are never stored (mma columns are independent dot products).
 //   PDL: gate_up waits for the grouping kernel (local grouping: for the ids' producer) before
@@ -262,7 +265,6 @@ constexpr int kCtaRows = kWarps * kTileN;                 // 64 weight rows stag
 constexpr int kChunkK = 128;                              // K per pipeline stage
 constexpr int kXRowBytes = kChunkK * 2;                   // 256 activation bytes per row per chunk
 constexpr int kXUnits = kXRowBytes / 16;                  // 16 units of 8 bf16
-constexpr int kMetaSlots = 16;                            // job slots per CTA (ring, power of 2)
 
 // (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7): the K permutation of one 16-byte bf16 unit, giving
 // the B fragment (activations) or the A fragment registers (BF16 weights) of mma steps h = 0, 1.
@@ -273,13 +275,14 @@ __device__ __forceinline__ uint4 permute_unit(uint4 a) {
 // Weight formats: bytes per row per chunk, copy pieces, and the lane's A fragment of word wd.
 struct Nvfp4Format {
   static constexpr bool kScaled = true;
-  // Stages: the persistent CTA streams job after job through one ring, kStages − KG chunks
-  // ahead of the one it computes. MT = 1 (6.5 KB per stage): down (KG = 1) 5 — 4 chunks (18 KB
-  // of weights) in flight per CTA and 6 CTAs (35 KB smem, ≤ 80 registers) = 24 warps per SM:
-  // the dequant chains need the warps (w4a16_gemv: ≈ 9 cycles between a warp's issues), and
-  // 110 KB in flight per SM cover DRAM latency; gate_up (KG = 2) 8 — 6 chunks ahead, 3 CTAs of 8
-  // warps per SM. MT = 4 (12.5 KB per stage, 8 KB of it activations): 6.
-  __host__ __device__ static constexpr int stages(int mt, int kg) { return mt == 1 ? (kg == 1 ? 5 : 8) : 6; }
+  // Stages: the persistent CTA streams job after job through one ring, kStages − P positions
+  // ahead of the step it computes (P = KG·CW per step, CW = 2 at MT = 1). MT = 1 (6.5 KB per
+  // stage): down (KG = 1, P = 2) 5 — 3 chunks (14 KB of weights) ahead per CTA and 6 CTAs (36 KB
+  // smem, ≤ 80 registers) = 24 warps per SM: the dequant chains need the warps (w4a16_gemv:
+  // ≈ 9 cycles between a warp's issues), and ≈ 80 KB in flight per SM cover DRAM latency;
+  // gate_up (KG = 2, P = 4) 10 — 6 chunks ahead, 3 CTAs of 8 warps per SM (73 KB each).
+  // MT = 4 (12.5 KB per stage, 8 KB of it activations; CW = 1): 6.
+  __host__ __device__ static constexpr int stages(int mt, int kg) { return mt == 1 ? (kg == 1 ? 5 : 10) : 6; }
   static constexpr int kRowBytes = kChunkK / 2;      // 64 packed bytes
   static constexpr int kScaleBytes = kChunkK / 16;   // 8 e4m3 block scales
   static constexpr int kPieces = kRowBytes / 16;     // 16-byte copies per row per chunk
@@ -345,11 +348,12 @@ __host__ __device__ constexpr StageLayout stage_layout() {
 }
 
 // Resident CTAs per SM the launch bounds ask for: NVFP4 MT = 1 gate_up 3 × 256 threads (≤ 80
-// registers; TW = 2: 5 × 128, as many as 8 stages of smem allow), down 6 × 128 (≤ 80; the smem of
-// 5 stages allows 6); else 2 (MT = 4's 6 stages of 12.5 KB and BF16's 18 KB stages allow no more).
+// registers; TW = 2: 4 × 128, as many as 10 stages of smem allow), down 6 × 128 (≤ 80; the smem
+// of 5 stages allows 6); else 2 (MT = 4's 6 stages of 12.5 KB and BF16's 18 KB stages allow no
+// more).
 template <class F>
 __host__ __device__ constexpr int min_blocks(int mt, int kg, int tw) {
-  return F::kScaled && mt == 1 ? (kg == 1 ? 6 : (tw == kWarps ? 3 : 5)) : 2;
+  return F::kScaled && mt == 1 ? (kg == 1 ? 6 : (tw == kWarps ? 3 : 4)) : 2;
 }
 
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
@@ -430,18 +434,23 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
   constexpr StageLayout lay = stage_layout<F, MT, TW>();
   constexpr int kJobRows = TW * kTileN;   // weight rows per job (gate_up: half gate, half up)
   constexpr int kStages = F::stages(MT, KG);
-  constexpr int kAhead = kStages - KG;   // positions issued ahead of a step's first
+  // chunks a warp computes per step (NVFP4 MT = 1: 2, halving the per-step barrier, cursor and
+  // slot work per chunk; a warp still sums its chunks in ascending order: the bits do not change)
+  constexpr int CW = F::kScaled && MT == 1 ? 2 : 1;
+  constexpr int kStep = KG * CW;             // positions per step
+  constexpr int kAhead = kStages - kStep;    // positions issued ahead of a step's first
   constexpr int kCols = 8 * MT;
   constexpr int kCtaThreads = 32 * TW * KG;
   static_assert(kCtaThreads >= kJobRows, "thread tid < kJobRows owns the scale bytes of local row tid");
   static_assert(!kGateUp ? TW == kWarps : TW % 2 == 0, "gate_up tiles come in (gate, up) pairs");
-  static_assert(kStages >= 2 * KG, "a step consumes KG positions and refills KG stages");
-  // slot (i mod kMetaSlots) is rewritten for job i only when job i − kMetaSlots's last position
-  // (≤ i's first − kMetaSlots + 1 − 1) is ≥ 2 steps behind the compute position (≥ i's first −
-  // kStages + 1): its readers (issue, compute, epilogue) have passed a barrier since.
-  static_assert(kMetaSlots >= kStages + 2 * KG + 1, "job slots outlive their readers");
+  static_assert(kStages >= 2 * kStep, "a step consumes kStep positions and refills kStep stages");
+  // Job slots (a ring, power of 2): slot (i mod kSlots) is rewritten for job i only when job
+  // i − kSlots's last position (≤ i's first − kSlots) is ≥ 2 steps behind the compute position
+  // (≥ i's first − kStages + 1): its readers (issue, compute, epilogue) have passed a barrier since.
+  constexpr int kSlots = kStages + 2 * kStep + 1 <= 16 ? 16 : 32;
+  static_assert(kSlots >= kStages + 2 * kStep + 1, "job slots outlive their readers");
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ JobSlot<kCols> slots[kMetaSlots];
+  __shared__ JobSlot<kCols> slots[kSlots];
   __shared__ float part[KG > 1 ? TW * MT * 4 * 32 : 1];                        // [TW warps][MT][4][32 lanes]
   __shared__ float up_s[kGateUp ? TW / 2 : 1][kGateUp ? kTileN : 1][kGateUp ? kCols : 1];   // bf16(up)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
@@ -449,7 +458,7 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
   const uint32_t smem_base = smem_u32(smem);
   const int K = p.k, N = p.n;
   const int nc = ceil_div(K, kChunkK);            // chunks per job
-  const int nc_pad = ceil_div(nc, KG) * KG;       // positions per job
+  const int nc_pad = ceil_div(nc, kStep) * kStep;   // positions per job
   const bool k_vec = K % kChunkK == 0;
 
   if constexpr (kGateUp) {     // the records come from the kernel just before
@@ -517,7 +526,7 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
   };
   auto open = [&](int i) {     // slot of job i ← the registers; then fetch job i + 1
     if (warp == 0) {
-      JobSlot<kCols>& sl = slots[i % kMetaSlots];
+      JobSlot<kCols>& sl = slots[i % kSlots];
       if (lane == 0) {
         sl.e = pf_info.x;
         sl.rows = pf_info.y;
@@ -635,7 +644,7 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
   // position q's copies (none past the CTA's jobs or in a job's padding positions)
   auto issue = [&](const Pos& q, bool weights, bool acts) {
     if (q.job >= my_jobs || q.chunk >= nc) return;
-    if (q.chunk == 0) enter(slots[q.job % kMetaSlots]);
+    if (q.chunk == 0) enter(slots[q.job % kSlots]);
     const int st = q.stage * lay.bytes;
     if (weights) issue_weights(st, q.chunk);
     if (acts) issue_acts(st, q.chunk);
@@ -752,25 +761,25 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
     }
   }
 
-  // ---- steps: compute positions cs + kg, issue positions is + j (j < KG), is = cs + kAhead ----
-  static_assert(kStages % KG == 0, "a step's KG positions share no stage wrap");
-  Pos cs{0, 0, 0};   // compute cursor (chunk and stage multiples of KG)
+  // ---- steps: compute positions cs + kg + KG·w (w < CW), issue positions is + j (j < kStep),
+  // is = cs + kAhead ----
+  Pos cs{0, 0, 0};   // compute cursor (chunk a multiple of kStep)
   while (cs.job < my_jobs) {
     {   // jobs first issued in this step: their slots before the barrier
       Pos q = is;
 #pragma unroll
-      for (int j = 0; j < KG; ++j, advance(q)) {
+      for (int j = 0; j < kStep; ++j, advance(q)) {
         if (q.job < my_jobs && q.chunk == 0) open(q.job);
       }
     }
-    cp_async_wait<kStages - 2 * KG>();   // this thread's copies of positions ≤ cs + KG − 1 landed
-    __syncthreads();                     // … everyone's; every warp is done with the last step's stages
+    cp_async_wait<kStages - 2 * kStep>();   // this thread's copies of positions ≤ cs + kStep − 1 landed
+    __syncthreads();                        // … everyone's; every warp is done with the last step's stages
 #pragma unroll
-    for (int j = 0; j < KG; ++j, advance(is)) {   // refill the stages of the last step's positions
+    for (int j = 0; j < kStep; ++j, advance(is)) {   // refill the stages of the last step's positions
       issue(is, true, true);
       cp_async_commit();
     }
-    const JobSlot<kCols>& sl = slots[cs.job % kMetaSlots];
+    const JobSlot<kCols>& sl = slots[cs.job % kSlots];
     int stack;
     const bool live = row_of(sl.tile, row0, stack) < N;   // N % 16 == 0: a tile is all in or all out
     if (cs.chunk == 0) {
@@ -780,12 +789,17 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
         for (int q = 0; q < 4; ++q) acc[mt][q] = 0.0f;
       }
     }
-    if (live && cs.chunk + kg < nc) compute_stage((cs.stage + kg) * lay.bytes, ceil_div(sl.rows, 8));
-    const bool last = cs.chunk + KG == nc_pad;   // CTA-uniform: the job's last step
+#pragma unroll
+    for (int w = 0; w < CW; ++w) {   // this warp's chunks of the step, ascending
+      const int d = kg + KG * w;
+      const int st = cs.stage + d < kStages ? cs.stage + d : cs.stage + d - kStages;
+      if (live && cs.chunk + d < nc) compute_stage(st * lay.bytes, ceil_div(sl.rows, 8));
+    }
+    const bool last = cs.chunk + kStep == nc_pad;   // CTA-uniform: the job's last step
     if (last) epilogue(sl, live, stack);
-    cs.chunk = last ? 0 : cs.chunk + KG;
+    cs.chunk = last ? 0 : cs.chunk + kStep;
     cs.job += last;
-    cs.stage = cs.stage + KG == kStages ? 0 : cs.stage + KG;
+    cs.stage = cs.stage + kStep < kStages ? cs.stage + kStep : cs.stage + kStep - kStages;
   }
   cp_async_wait<0>();   // only empty groups are left
 }
