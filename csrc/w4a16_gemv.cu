@@ -55,9 +55,8 @@
 //         order differ, the values and bits are the same. v2.4: the row-major pattern left DRAM
 //         ≈ 50% busy on the LM heads (64 B per row per chunk, rows K/2 bytes apart); v2.4's
 //         tile-major runs (40 KB apart per warp) reached 0.68–0.76 of copy bandwidth.
-//   M ≤ 8 (v3): w4a16_gemv_warp_kernel — each warp its own cp.async ring synced by __syncwarp()
-//         (no CTA barrier in the loop); M = 1: the CTA's activations loaded and permuted once;
-//         2 ≤ M ≤ 8 (plain): each lane's B fragments loaded from L2 a chunk ahead; the
+//   M = 1 (v3): w4a16_gemv_m1_kernel — the CTA's activations loaded and permuted once, each
+//         warp its own cp.async ring synced by __syncwarp() (no CTA barrier in the loop); the
 //         tiled layout's words carry their bits pre-placed (nvfp4.gemv_word_bits,
 //         dequant_word_tiled: 11 instead of 15 bit operations per word). Same mma sequence and
 //         sums as every M, so the rows stay batch invariant.
@@ -564,7 +563,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   store_rows<MT>(args, wt, plan, sums, row0, smem);
 }
 
-// ---- the warp-pipelined kernel (v3: M = 1 any activation, M ≤ 8 plain; vector path) --------
+// ---- the one-row kernel (v3: M = 1, vector path) -------------------------------------------
 // Decode at batch 1 (and the LM head of a 1-row draft) is the GEMV that must reach the copy
 // bandwidth; v2 spent ≈ 293 warp-instructions per 128-k chunk and warp there (≈ 150 of them
 // not dequant or mma: the CTA-wide barrier, activation copies and their per-chunk permutation,
@@ -572,44 +571,39 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
 // 27B LM head. Here every warp runs its own pipeline:
 //   - the CTA's whole activation range (K_cta bf16; silu / gated: from x and x2) is loaded once
 //     through registers, permuted (or converted) into B-fragment order, behind one barrier;
-//   - each warp streams its own 16-row tile through a private kWarpStages-deep ring (lane: two
+//   - each warp streams its own 16-row tile through a private kStagesM1-deep ring (lane: two
 //     16-byte weight pieces, lanes < 16 one 8-byte scale piece per chunk) and waits on its own
 //     cp.async groups with __syncwarp(): no CTA barrier in the main loop, no warp waits for
 //     another;
 //   - the B fragment of word w is one broadcast 16-byte load of x (unit 4t + w lives in slot
 //     4w + t, so the 4 addresses of a load are 4 consecutive slots: conflict-free).
-// kXRegs (2 ≤ M ≤ 8, plain x: v3.2): no activation smem — lane (g, t) loads its row g's 64 bytes
-// of each chunk from L2 one chunk ahead (4 × 16 B) and permutes them in registers (16 prmt per
-// chunk): +≈ 16 instructions per chunk instead of the M > 1 kernel's shared activation stages
-// and CTA barrier per chunk (which left M = 8 at 1.26–1.32× the one-row time).
 // Same segments, same mma sequence per chunk, same sums and store (mma_chunk, SegmentSums,
 // store_rows) as w4a16_gemv_kernel: a row is bitwise the same as in an M > 1 call.
-// Shared memory: K_cta·2 + W · kWarpStages · 1152 B (K = 5120 plain: 10 + 23 KB → 6
+// Shared memory: K_cta·2 + W · kStagesM1 · 1152 B (K = 5120 plain: 10 + 23 KB → 6
 // four-warp CTAs per SM).
-constexpr int kWarpStages = 5;
+constexpr int kStagesM1 = 5;
 constexpr int kWarpStageBytes = kTileN * (kRowBytes + kScaleBytes);   // 1152
 
-struct WarpLayout {
-  int x_off;      // [chunks][256 B]  activations, unit u of a chunk in slot x_slot_m1(u)
-  int ring_off;   // [W][kWarpStages][16 rows × 64 B packed | 16 rows × 8 B scales]
+struct M1Layout {
+  int x_off;      // [chunks][256 B]  activations, unit u of a chunk in slot m1_unit_slot(u)
+  int ring_off;   // [W][kStagesM1][16 rows × 64 B packed | 16 rows × 8 B scales]
   int bytes;
 };
-__host__ __device__ inline WarpLayout warp_layout(int warps, int chunks, bool x_regs) {
-  WarpLayout l;
+__host__ __device__ inline M1Layout m1_layout(int warps, int chunks) {
+  M1Layout l;
   l.x_off = 0;
-  l.ring_off = x_regs ? 0 : chunks * kXRowBytes;
-  l.bytes = l.ring_off + warps * kWarpStages * kWarpStageBytes;
+  l.ring_off = chunks * kXRowBytes;
+  l.bytes = l.ring_off + warps * kStagesM1 * kWarpStageBytes;
   return l;
 }
-__device__ __forceinline__ int x_slot_m1(int u) { return 4 * (u & 3) + (u >> 2); }
+__device__ __forceinline__ int m1_unit_slot(int u) { return 4 * (u & 3) + (u >> 2); }
 
-template <GemvAct kAct, bool kXRegs>
+template <GemvAct kAct>
 __global__ void __launch_bounds__(kMaxWarps * 32)
-w4a16_gemv_warp_kernel(const __grid_constant__ W4A16GemvArgs args,
+w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
                      int groups0,            // row groups of weight 0 (the rest belong to weight 1)
                      SplitPlan plan) {       // segments of K over the CTAs (blockIdx.x)
   constexpr bool kRaw = kAct != GemvAct::kPlain;
-  static_assert(!(kRaw && kXRegs), "silu / gated activations are converted once per CTA (M = 1 only)");
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = threadIdx.x, nthreads = blockDim.x;
   const int warps = nthreads / 32, warp = tid / 32, lane = tid % 32;
@@ -624,7 +618,7 @@ w4a16_gemv_warp_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int chunks_per_cta = plan.seg_chunks * plan.segs_per_cta;
   const int c_begin = min(split * chunks_per_cta, num_chunks);
   const int chunks = min(c_begin + chunks_per_cta, num_chunks) - c_begin;
-  const WarpLayout lay = warp_layout(warps, chunks_per_cta, kXRegs);
+  const M1Layout lay = m1_layout(warps, chunks_per_cta);
   const uint32_t smem_base = smem_u32(smem);
   const int tile_row0 = row0 + warp * kTileN;
   const bool warp_has_rows = tile_row0 < n_rows;
@@ -652,7 +646,7 @@ w4a16_gemv_warp_kernel(const __grid_constant__ W4A16GemvArgs args,
     s_src = wt.block_scale + off;
     s_step = step;
   }
-  const int ring = lay.ring_off + warp * kWarpStages * kWarpStageBytes;   // this warp's ring
+  const int ring = lay.ring_off + warp * kStagesM1 * kWarpStageBytes;   // this warp's ring
   auto issue = [&](int stage) {
     const uint32_t st = smem_base + ring + stage * kWarpStageBytes;
 #pragma unroll
@@ -666,103 +660,75 @@ w4a16_gemv_warp_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
 
-  // ---- prologue: the first kWarpStages − 1 chunks' weights (before the previous kernel is
+  // ---- prologue: the first kStagesM1 − 1 chunks' weights (before the previous kernel is
   // waited for: weights are constants), then the CTA's activations, one barrier, converted.
   if (warp_has_rows) {
 #pragma unroll
-    for (int p = 0; p < kWarpStages - 1; ++p) {
+    for (int p = 0; p < kStagesM1 - 1; ++p) {
       if (p < chunks) issue(p);
       cp_async_commit();
     }
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x / x2 and out are now safe
-  if constexpr (!kXRegs) {
-    // Activations through registers (L2-cached loads, 4 units per thread in flight), permuted or
-    // converted, stored to their slots: no cp.async group to wait for, so the weight chunks
-    // above keep streaming and the main loop starts as soon as its first chunk lands.
-    const uint4* x = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(args.x) +
-                                                    static_cast<int64_t>(c_begin) * kChunkK);
-    const uint4* x2 = kRaw ? reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(args.x2) +
-                                                            static_cast<int64_t>(c_begin) * kChunkK)
-                           : nullptr;
-    constexpr int kUnitBatch = 4;
-    const int units = chunks * kXUnits;                           // unit i: chunk i / 16, unit i % 16
-    for (int i0 = tid; i0 < units; i0 += kUnitBatch * nthreads) {
-      uint4 a[kUnitBatch], b[kUnitBatch];
-  #pragma unroll
-      for (int j = 0; j < kUnitBatch; ++j) {
-        const int i = i0 + j * nthreads;
-        if (i < units) {
-          a[j] = __ldcg(x + i);
-          if constexpr (kRaw) b[j] = __ldcg(x2 + i);
-        }
-      }
-  #pragma unroll
-      for (int j = 0; j < kUnitBatch; ++j) {
-        const int i = i0 + j * nthreads;
-        if (i >= units) break;
-        uint4* unit = reinterpret_cast<uint4*>(smem + lay.x_off + (i >> 4) * kXRowBytes +
-                                               x_slot_m1(i & (kXUnits - 1)) * 16);
-        if constexpr (kRaw) {     // word q = bf16(act(x_q, x2_q), act(x_{q+4}, x2_{q+4})), as convert_stage
-          const __nv_bfloat16* ap = reinterpret_cast<const __nv_bfloat16*>(&a[j]);
-          const __nv_bfloat16* bp = reinterpret_cast<const __nv_bfloat16*>(&b[j]);
-          uint32_t wd[4];
-  #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float lo = activation_f32<kAct>(__bfloat162float(ap[q]), __bfloat162float(bp[q]));
-            const float hi = activation_f32<kAct>(__bfloat162float(ap[q + 4]), __bfloat162float(bp[q + 4]));
-            wd[q] = bf162_bits(__floats2bfloat162_rn(lo, hi));
-          }
-          *unit = make_uint4(wd[0], wd[1], wd[2], wd[3]);
-        } else {                  // (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7)
-          *unit = make_uint4(prmt(a[j].x, a[j].z, 0x5410), prmt(a[j].x, a[j].z, 0x7632),
-                             prmt(a[j].y, a[j].w, 0x5410), prmt(a[j].y, a[j].w, 0x7632));
-        }
+  // Activations through registers (L2-cached loads, 4 units per thread in flight), permuted or
+  // converted, stored to their slots: no cp.async group to wait for, so the weight chunks
+  // above keep streaming and the main loop starts as soon as its first chunk lands.
+  const uint4* x = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(args.x) +
+                                                  static_cast<int64_t>(c_begin) * kChunkK);
+  const uint4* x2 = kRaw ? reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(args.x2) +
+                                                          static_cast<int64_t>(c_begin) * kChunkK)
+                         : nullptr;
+  constexpr int kUnitBatch = 4;
+  const int units = chunks * kXUnits;                           // unit i: chunk i / 16, unit i % 16
+  for (int i0 = tid; i0 < units; i0 += kUnitBatch * nthreads) {
+    uint4 a[kUnitBatch], b[kUnitBatch];
+#pragma unroll
+    for (int j = 0; j < kUnitBatch; ++j) {
+      const int i = i0 + j * nthreads;
+      if (i < units) {
+        a[j] = __ldcg(x + i);
+        if constexpr (kRaw) b[j] = __ldcg(x2 + i);
       }
     }
-    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kUnitBatch; ++j) {
+      const int i = i0 + j * nthreads;
+      if (i >= units) break;
+      uint4* unit = reinterpret_cast<uint4*>(smem + lay.x_off + (i >> 4) * kXRowBytes +
+                                             m1_unit_slot(i & (kXUnits - 1)) * 16);
+      if constexpr (kRaw) {     // word q = bf16(act(x_q, x2_q), act(x_{q+4}, x2_{q+4})), as convert_stage
+        const __nv_bfloat16* ap = reinterpret_cast<const __nv_bfloat16*>(&a[j]);
+        const __nv_bfloat16* bp = reinterpret_cast<const __nv_bfloat16*>(&b[j]);
+        uint32_t wd[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float lo = activation_f32<kAct>(__bfloat162float(ap[q]), __bfloat162float(bp[q]));
+          const float hi = activation_f32<kAct>(__bfloat162float(ap[q + 4]), __bfloat162float(bp[q + 4]));
+          wd[q] = bf162_bits(__floats2bfloat162_rn(lo, hi));
+        }
+        *unit = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+      } else {                  // (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7)
+        *unit = make_uint4(prmt(a[j].x, a[j].z, 0x5410), prmt(a[j].x, a[j].z, 0x7632),
+                           prmt(a[j].y, a[j].w, 0x5410), prmt(a[j].y, a[j].w, 0x7632));
+      }
+    }
   }
+  __syncthreads();
 
-  // ---- main loop: chunk cc of this warp's tile; stage cc mod kWarpStages ----
+  // ---- main loop: chunk cc of this warp's tile; stage cc mod kStagesM1 ----
   SegmentSums<1> sums;
   if (warp_has_rows) {
     const uint8_t* xs = smem + lay.x_off + t * 16;             // + chunk · 256 + word · 64
     const int lane_w = ring + g * kRowBytes + t * 16;
     const int lane_s = ring + kTileN * kRowBytes + g * kScaleBytes + 2 * t;
-    // kXRegs: row g's units 4t .. 4t + 3 of chunk cc at xg + 16·cc (rows ≥ M feed unstored columns: 0)
-    const uint4* xg = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(args.x) +
-                                                     static_cast<int64_t>(min(g, args.m - 1)) * K +
-                                                     static_cast<int64_t>(c_begin) * kChunkK + 32 * t);
-    uint4 xn[4] = {};
-    auto load_x = [&](int cc) {
-#pragma unroll
-      for (int w = 0; w < 4; ++w) xn[w] = g < args.m ? __ldcg(xg + 16 * cc + w) : make_uint4(0, 0, 0, 0);
-    };
-    if constexpr (kXRegs) {
-      if (chunks > 0) load_x(0);
-    }
-    int cur = 0, fill = kWarpStages - 1, seg_left = plan.seg_chunks;
+    int cur = 0, fill = kStagesM1 - 1, seg_left = plan.seg_chunks;
     for (int cc = 0; cc < chunks; ++cc) {
-      cp_async_wait<kWarpStages - 2>();   // chunk cc (this lane's pieces) landed
+      cp_async_wait<kStagesM1 - 2>();   // chunk cc (this lane's pieces) landed
       __syncwarp();                     // … every lane's; the warp is done with chunk cc − 1's stage
-      if (cc + kWarpStages - 1 < chunks) issue(fill);
+      if (cc + kStagesM1 - 1 < chunks) issue(fill);
       cp_async_commit();
       const int st = cur * kWarpStageBytes;
-      uint4 xc[4];
-      if constexpr (kXRegs) {
-#pragma unroll
-        for (int w = 0; w < 4; ++w) xc[w] = xn[w];
-        if (cc + 1 < chunks) load_x(cc + 1);
-      }
-      auto xfrag = [&](int w, int) {
-        if constexpr (kXRegs) {     // (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7), as convert_stage
-          const uint4 a = xc[w];
-          return make_uint4(prmt(a.x, a.z, 0x5410), prmt(a.x, a.z, 0x7632),
-                            prmt(a.y, a.w, 0x5410), prmt(a.y, a.w, 0x7632));
-        } else {
-          return *reinterpret_cast<const uint4*>(xs + cc * kXRowBytes + w * 64);
-        }
-      };
+      auto xfrag = [&](int w, int) { return *reinterpret_cast<const uint4*>(xs + cc * kXRowBytes + w * 64); };
       if (wt.tiled) mma_chunk<1, true>(sums.acc, smem + lane_w + st, smem + lane_s + st, xfrag);
       else mma_chunk<1, false>(sums.acc, smem + lane_w + st, smem + lane_s + st, xfrag);
       if (--seg_left == 0 || cc + 1 == chunks) {
@@ -770,7 +736,7 @@ w4a16_gemv_warp_kernel(const __grid_constant__ W4A16GemvArgs args,
         seg_left = plan.seg_chunks;
       }
       fill = cur;
-      cur = cur + 1 == kWarpStages ? 0 : cur + 1;
+      cur = cur + 1 == kStagesM1 ? 0 : cur + 1;
     }
   }
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -832,35 +798,29 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
                        std::max(kStages * lay.bytes, partial_bytes(grid, plan, warps, MT)), stream);
 }
 
-// The warp kernel's shared memory for this launch (0: it does not apply — the generic path,
-// M > 8, silu / gated with M > 1, or a K range too long to hold; those take w4a16_gemv_kernel).
-constexpr int kWarpMaxSmem = 160 * 1024;
-int warp_smem(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, const SplitPlan& plan) {
-  if (!vec || a.m > 8 || (a.m > 1 && a.act != GemvAct::kPlain)) return 0;
-  const int bytes = std::max(warp_layout(warps, plan.seg_chunks * plan.segs_per_cta, a.m > 1).bytes,
+// The one-row kernel's shared memory (0: it does not apply — M > 1, the generic path, or a
+// K range too long to hold; those take w4a16_gemv_kernel).
+constexpr int kM1MaxSmem = 160 * 1024;
+int m1_smem(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, const SplitPlan& plan) {
+  if (a.m != 1 || !vec) return 0;
+  const int bytes = std::max(m1_layout(warps, plan.seg_chunks * plan.segs_per_cta).bytes,
                              partial_bytes(grid, plan, warps, 1));
-  return bytes <= kWarpMaxSmem ? bytes : 0;
+  return bytes <= kM1MaxSmem ? bytes : 0;
 }
 
 template <GemvAct kAct>
-cudaError_t launch_warp(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0, SplitPlan plan, int smem,
-                        cudaStream_t stream) {
-  if constexpr (kAct == GemvAct::kPlain) {
-    if (a.m > 1) {
-      static int opted_in[kMaxDevices] = {};
-      return launch_kernel(w4a16_gemv_warp_kernel<kAct, true>, opted_in, a, grid, warps, groups0, plan, smem, stream);
-    }
-  }
+cudaError_t launch_m1(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0, SplitPlan plan, int smem,
+                      cudaStream_t stream) {
   static int opted_in[kMaxDevices] = {};
-  return launch_kernel(w4a16_gemv_warp_kernel<kAct, false>, opted_in, a, grid, warps, groups0, plan, smem, stream);
+  return launch_kernel(w4a16_gemv_m1_kernel<kAct>, opted_in, a, grid, warps, groups0, plan, smem, stream);
 }
 
 template <int MT, GemvAct kAct>
 cudaError_t launch_act(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, int groups0,
                        SplitPlan plan, cudaStream_t stream) {
   if constexpr (MT == 1) {
-    const int smem = warp_smem(a, vec, grid, warps, plan);
-    if (smem > 0) return launch_warp<kAct>(a, grid, warps, groups0, plan, smem, stream);
+    const int smem = m1_smem(a, vec, grid, warps, plan);
+    if (smem > 0) return launch_m1<kAct>(a, grid, warps, groups0, plan, smem, stream);
   }
   return vec ? launch_instance<MT, true, kAct>(a, grid, warps, groups0, plan, stream)
              : launch_instance<MT, false, kAct>(a, grid, warps, groups0, plan, stream);
