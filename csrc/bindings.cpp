@@ -28,6 +28,14 @@ cudaStream_t current_stream(const torch::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
 
+// Numbers in TORCH_CHECK messages go through num() (std::to_string), never through c10::str's
+// std::ostream <<: on the H200 image (torch 2.11) a failing check whose message streamed an
+// integer segfaulted the process instead of raising — strings stream fine, integers do not
+// (probed in isolation: the same binding raised for a string-only message and crashed for one
+// with an int64_t; most likely a locale facet clash between two libstdc++ builds in the process).
+template <typename T>
+std::string num(T v) { return std::to_string(v); }
+
 void check_cuda(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA error: ", cudaGetErrorString(err));
 }
@@ -83,7 +91,7 @@ atlas::W4A16GemvWeight gemv_weight(const torch::Tensor& packed,        // [≥ n
     TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && k % 128 == 0 && packed.size(1) == k / 128 &&
                 packed.size(2) == 64 && chunk_major(packed),
                 "w4a16_gemv: tiled packed must be a uint8 [N, K/128, 64] view of a chunk-major [K/128, N, 64] "
-                "buffer (atlas.nvfp4.tile_for_gemv) with K = ", k);
+                "buffer (atlas.nvfp4.tile_for_gemv) with K = ", num(k));
     TORCH_CHECK(block_scale.scalar_type() == at::ScalarType::Float8_e4m3fn && block_scale.dim() == 3 &&
                 block_scale.size(0) == packed.size(0) && block_scale.size(1) == k / 128 && block_scale.size(2) == 8 &&
                 chunk_major(block_scale),
@@ -91,7 +99,7 @@ atlas::W4A16GemvWeight gemv_weight(const torch::Tensor& packed,        // [≥ n
   } else {
     CHECK_CONTIGUOUS(packed); CHECK_CONTIGUOUS(block_scale);
     TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.size(1) * 2 == k,
-                "w4a16_gemv: packed must be uint8 [N, K/2] with K = ", k);
+                "w4a16_gemv: packed must be uint8 [N, K/2] with K = ", num(k));
     TORCH_CHECK(block_scale.scalar_type() == at::ScalarType::Float8_e4m3fn && block_scale.dim() == 2 &&
                 block_scale.size(0) == packed.size(0) && block_scale.size(1) * 16 == k,
                 "w4a16_gemv: block_scale must be e4m3 [N, K/16]");
@@ -130,7 +138,7 @@ void run_w4a16_gemv(atlas::W4A16GemvArgs& a, const torch::Tensor& x, torch::Tens
   a.out_dtype = out0.scalar_type() == torch::kFloat ? atlas::DType::kF32 : atlas::DType::kBF16;
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t err = atlas::launch_w4a16_gemv(a, current_stream(x));
-  TORCH_CHECK(err == cudaSuccess, "w4a16_gemv (M = ", a.m, ", K = ", a.k, ", N = ", a.w[0].n,
+  TORCH_CHECK(err == cudaSuccess, "w4a16_gemv (M = ", num(a.m), ", K = ", num(a.k), ", N = ", num(a.w[0].n),
               a.num_weights == 2 ? " and " + std::to_string(a.w[1].n) : std::string(),
               a.act == atlas::GemvAct::kSiluMul ? ", silu" : a.act == atlas::GemvAct::kSigmoidGate ? ", gated" : "",
               "): CUDA error: ", cudaGetErrorString(err));
@@ -296,7 +304,7 @@ void paged_decode(const torch::Tensor& query,                       // [B, q_len
   TORCH_CHECK(max_blocks >= 1 && max_blocks * bs < (int64_t{1} << 31), "paged_decode: need 1 <= max_blocks, max_blocks * bs < 2^31");
   TORCH_CHECK(max_splits == atlas::paged_decode_max_splits(max_blocks * bs, static_cast<int>(nkv)),
               "paged_decode: max_splits must be paged_decode_max_splits(max_blocks * bs, nkv) = ",
-              atlas::paged_decode_max_splits(max_blocks * bs, static_cast<int>(nkv)), ", got ", max_splits);
+              num(atlas::paged_decode_max_splits(max_blocks * bs, static_cast<int>(nkv))), ", got ", num(max_splits));
   const c10::cuda::CUDAGuard guard(query.device());
   atlas::PagedDecodeArgs a{};
   a.query = query.data_ptr();
@@ -549,7 +557,7 @@ namespace moe {
 atlas::ExpertStack stack(const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
                          const c10::optional<torch::Tensor>& gs, bool nvfp4, int64_t n, int64_t k, const char* name) {
   CHECK_CUDA_TENSOR(w); CHECK_CONTIGUOUS(w);
-  TORCH_CHECK(w.dim() == 3 && w.size(1) == n, "moe_experts: ", name, " must be [E, ", n, ", K]");
+  TORCH_CHECK(w.dim() == 3 && w.size(1) == n, "moe_experts: ", name, " must be [E, ", num(n), ", K]");
   atlas::ExpertStack s{};
   s.weight = w.data_ptr();
   if (nvfp4) {

@@ -610,21 +610,24 @@ q = NVFP4Weight(torch.randint(0, 256, (64, 128), device="cuda", dtype=torch.uint
                 torch.tensor(1.0, device="cuda")).prepare_gemv()
 x = torch.randn(1, 256, device="cuda", generator=g).bfloat16()
 p, s = q.gemv_operands()
-for bad in ((p.contiguous(), s), (p, s.contiguous())):
+bad = (((p.contiguous(), s), "chunk-major"), ((p, s.contiguous()), "chunk-major"),
+       ((q.packed[:, :64].contiguous(), q.block_scale), "with K = 256"))
+for (pp, ss), want in bad:
     try:
-        torch.ops.atlas.w4a16_gemv(x, *bad, q.global_scale, torch.bfloat16, 64, 0)
+        torch.ops.atlas.w4a16_gemv(x, pp, ss, q.global_scale, torch.bfloat16, 64, 0)
         print("accepted")
     except RuntimeError as e:
-        print("refused:", "chunk-major" in str(e))
+        print("refused:", want in str(e))
 """
 
 
 @pytest.mark.cuda
 def test_tiled_layout_must_be_chunk_major():
     """A 3-D operand that is not the chunk-major view tile_for_gemv makes (e.g. a contiguous
-    [N, K/128, 64] copy) is refused by the binding with an error that names the layout. Run in a
-    subprocess: a crash on this path (seen once on the H200, a segfault) must fail this test, not
-    end the suite."""
+    [N, K/128, 64] copy), or a checkpoint packed of the wrong K, is refused by the binding with an
+    error that names the problem (and the number, formatted by num()). Run in a subprocess: these
+    messages used to stream an integer through c10::str, which segfaulted the process on the H200
+    — a crash must fail this test, not end the suite."""
     r = subprocess.run([sys.executable, "-c", _BAD_LAYOUT_SCRIPT], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-2000:]}"
-    assert r.stdout.split("\n")[:2] == ["refused: True", "refused: True"], r.stdout
+    assert r.stdout.split("\n")[:3] == ["refused: True"] * 3, r.stdout
