@@ -574,7 +574,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
 // 27B LM head. Here every warp runs its own pipeline:
 //   - the CTA's whole activation range (K_cta bf16; silu / gated: from x and x2) is loaded once
 //     through registers, permuted (or converted) into B-fragment order, behind one barrier;
-//   - each warp streams its own 16-row tile through a private kS-deep ring (lane: two
+//   - each warp streams its own 16-row tile through a private kStagesM1-deep ring (lane: two
 //     16-byte weight pieces, lanes < 16 one 8-byte scale piece per chunk) and waits on its own
 //     cp.async groups with __syncwarp(): no CTA barrier in the main loop, no warp waits for
 //     another;
@@ -582,31 +582,26 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
 //     4w + t, so the 4 addresses of a load are 4 consecutive slots: conflict-free).
 // Same segments, same mma sequence per chunk, same sums and store (mma_chunk, SegmentSums,
 // store_rows) as w4a16_gemv_kernel: a row is bitwise the same as in an M > 1 call.
-// Pipeline depth kS (5 .. 8), per launch (m1_stages): measured on the H200 (run 3), the warp kernel's rate
-// follows Little's law with a loaded round trip of ≈ 4.1 µs — 27B LM head 24 resident warps × 4
-// chunks in flight × 1152 B = 110 KB per SM → 3.5 TB/s; gate_up (a single wave of 16.5 warps per
-// SM) 76 KB → 2.45 TB/s. So single-wave grids take the deepest ring (≤ 8) that keeps every CTA
-// resident; multi-wave grids keep 5 (more CTAs per SM: the LM heads are near the issue limit,
-// 67% issue-active, and need the warps).
-// Shared memory: K_cta·2 + W · kS · 1152 B (K = 5120, kS = 5: 10 + 23 KB → 6 four-warp CTAs per
-// SM; two-warp CTAs at kS = 8: 10 + 18 KB → 8).
+// Shared memory: K_cta·2 + W · kStagesM1 · 1152 B (K = 5120 plain: 10 + 23 KB → 6
+// four-warp CTAs per SM).
+constexpr int kStagesM1 = 5;
 constexpr int kWarpStageBytes = kTileN * (kRowBytes + kScaleBytes);   // 1152
 
 struct M1Layout {
   int x_off;      // [chunks][256 B]  activations, unit u of a chunk in slot m1_unit_slot(u)
-  int ring_off;   // [W][kS][16 rows × 64 B packed | 16 rows × 8 B scales]
+  int ring_off;   // [W][kStagesM1][16 rows × 64 B packed | 16 rows × 8 B scales]
   int bytes;
 };
-__host__ __device__ inline M1Layout m1_layout(int warps, int chunks, int stages) {
+__host__ __device__ inline M1Layout m1_layout(int warps, int chunks) {
   M1Layout l;
   l.x_off = 0;
   l.ring_off = chunks * kXRowBytes;
-  l.bytes = l.ring_off + warps * stages * kWarpStageBytes;
+  l.bytes = l.ring_off + warps * kStagesM1 * kWarpStageBytes;
   return l;
 }
 __device__ __forceinline__ int m1_unit_slot(int u) { return 4 * (u & 3) + (u >> 2); }
 
-template <GemvAct kAct, int kS>
+template <GemvAct kAct>
 __global__ void __launch_bounds__(kMaxWarps * 32)
 w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
                      int groups0,            // row groups of weight 0 (the rest belong to weight 1)
@@ -626,7 +621,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int chunks_per_cta = plan.seg_chunks * plan.segs_per_cta;
   const int c_begin = min(split * chunks_per_cta, num_chunks);
   const int chunks = min(c_begin + chunks_per_cta, num_chunks) - c_begin;
-  const M1Layout lay = m1_layout(warps, chunks_per_cta, kS);
+  const M1Layout lay = m1_layout(warps, chunks_per_cta);
   const uint32_t smem_base = smem_u32(smem);
   const int tile_row0 = row0 + warp * kTileN;
   const bool warp_has_rows = tile_row0 < n_rows;
@@ -654,7 +649,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     s_src = wt.block_scale + off;
     s_step = step;
   }
-  const int ring = lay.ring_off + warp * kS * kWarpStageBytes;   // this warp's ring
+  const int ring = lay.ring_off + warp * kStagesM1 * kWarpStageBytes;   // this warp's ring
   auto issue = [&](int stage) {
     const uint32_t st = smem_base + ring + stage * kWarpStageBytes;
 #pragma unroll
@@ -668,11 +663,11 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
 
-  // ---- prologue: the first kS − 1 chunks' weights (before the previous kernel is
+  // ---- prologue: the first kStagesM1 − 1 chunks' weights (before the previous kernel is
   // waited for: weights are constants), then the CTA's activations, one barrier, converted.
   if (warp_has_rows) {
 #pragma unroll
-    for (int p = 0; p < kS - 1; ++p) {
+    for (int p = 0; p < kStagesM1 - 1; ++p) {
       if (p < chunks) issue(p);
       cp_async_commit();
     }
@@ -723,17 +718,17 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   }
   __syncthreads();
 
-  // ---- main loop: chunk cc of this warp's tile; stage cc mod kS ----
+  // ---- main loop: chunk cc of this warp's tile; stage cc mod kStagesM1 ----
   SegmentSums<1> sums;
   if (warp_has_rows) {
     const uint8_t* xs = smem + lay.x_off + t * 16;             // + chunk · 256 + word · 64
     const int lane_w = ring + g * kRowBytes + t * 16;
     const int lane_s = ring + kTileN * kRowBytes + g * kScaleBytes + 2 * t;
-    int cur = 0, fill = kS - 1, seg_left = plan.seg_chunks;
+    int cur = 0, fill = kStagesM1 - 1, seg_left = plan.seg_chunks;
     for (int cc = 0; cc < chunks; ++cc) {
-      cp_async_wait<kS - 2>();          // chunk cc (this lane's pieces) landed
+      cp_async_wait<kStagesM1 - 2>();   // chunk cc (this lane's pieces) landed
       __syncwarp();                     // … every lane's; the warp is done with chunk cc − 1's stage
-      if (cc + kS - 1 < chunks) issue(fill);
+      if (cc + kStagesM1 - 1 < chunks) issue(fill);
       cp_async_commit();
       const int st = cur * kWarpStageBytes;
       auto xfrag = [&](int w, int) { return *reinterpret_cast<const uint4*>(xs + cc * kXRowBytes + w * 64); };
@@ -744,7 +739,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
         seg_left = plan.seg_chunks;
       }
       fill = cur;
-      cur = cur + 1 == kS ? 0 : cur + 1;
+      cur = cur + 1 == kStagesM1 ? 0 : cur + 1;
     }
   }
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -809,61 +804,38 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
 // The one-row kernel's shared memory (0: it does not apply — M > 1, the generic path, or a
 // K range too long to hold; those take w4a16_gemv_kernel).
 constexpr int kM1MaxSmem = 160 * 1024;
-// Stages for a launch of the one-row kernel: the deepest of 8 .. 6 with which a grid that fits
-// one wave still does (every CTA resident: CTAs per SM × (smem + 1 KB reserved) within the SM's
-// shared memory, ≤ 32 warps of ≤ 64 registers, 24 of ≤ 80); 5 for multi-wave grids (see kS).
-int m1_stages(dim3 grid, int warps, int chunks_per_cta, int sms, int smem_per_sm, bool plain) {
-  const int64_t ctas_per_sm = (int64_t{grid.x} * grid.y + sms - 1) / sms;
-  if (ctas_per_sm * warps > (plain ? 32 : 24)) return 5;     // registers: ≤ 64 plain, ≤ 80 silu / gated
-  for (int s = 8; s > 5; --s) {
-    if (ctas_per_sm * (m1_layout(warps, chunks_per_cta, s).bytes + 1024) <= smem_per_sm) return s;
-  }
-  return 5;
-}
-
-int m1_smem(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, const SplitPlan& plan, int stages) {
+int m1_smem(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, const SplitPlan& plan) {
   if (a.m != 1 || !vec) return 0;
-  const int bytes = std::max(m1_layout(warps, plan.seg_chunks * plan.segs_per_cta, stages).bytes,
+  const int bytes = std::max(m1_layout(warps, plan.seg_chunks * plan.segs_per_cta).bytes,
                              partial_bytes(grid, plan, warps, 1));
   return bytes <= kM1MaxSmem ? bytes : 0;
 }
 
-template <GemvAct kAct, int kS>
-cudaError_t launch_m1_stages(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0, SplitPlan plan, int smem,
-                             cudaStream_t stream) {
-  static int opted_in[kMaxDevices] = {};
-  return launch_kernel(w4a16_gemv_m1_kernel<kAct, kS>, opted_in, a, grid, warps, groups0, plan, smem, stream);
-}
-
 template <GemvAct kAct>
 cudaError_t launch_m1(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0, SplitPlan plan, int smem,
-                      int stages, cudaStream_t stream) {
-  switch (stages) {
-    case 8: return launch_m1_stages<kAct, 8>(a, grid, warps, groups0, plan, smem, stream);
-    case 7: return launch_m1_stages<kAct, 7>(a, grid, warps, groups0, plan, smem, stream);
-    case 6: return launch_m1_stages<kAct, 6>(a, grid, warps, groups0, plan, smem, stream);
-    default: return launch_m1_stages<kAct, 5>(a, grid, warps, groups0, plan, smem, stream);
-  }
+                      cudaStream_t stream) {
+  static int opted_in[kMaxDevices] = {};
+  return launch_kernel(w4a16_gemv_m1_kernel<kAct>, opted_in, a, grid, warps, groups0, plan, smem, stream);
 }
 
 template <int MT, GemvAct kAct>
 cudaError_t launch_act(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, int groups0,
-                       SplitPlan plan, int m1_stages, cudaStream_t stream) {
+                       SplitPlan plan, cudaStream_t stream) {
   if constexpr (MT == 1) {
-    const int smem = m1_smem(a, vec, grid, warps, plan, m1_stages);
-    if (smem > 0) return launch_m1<kAct>(a, grid, warps, groups0, plan, smem, m1_stages, stream);
+    const int smem = m1_smem(a, vec, grid, warps, plan);
+    if (smem > 0) return launch_m1<kAct>(a, grid, warps, groups0, plan, smem, stream);
   }
   return vec ? launch_instance<MT, true, kAct>(a, grid, warps, groups0, plan, stream)
              : launch_instance<MT, false, kAct>(a, grid, warps, groups0, plan, stream);
 }
 
 template <int MT>
-cudaError_t launch_mt(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, int groups0, int m1_stages,
+cudaError_t launch_mt(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, int groups0,
                       SplitPlan plan, cudaStream_t stream) {
   switch (a.act) {
-    case GemvAct::kSiluMul: return launch_act<MT, GemvAct::kSiluMul>(a, vec, grid, warps, groups0, plan, m1_stages, stream);
-    case GemvAct::kSigmoidGate: return launch_act<MT, GemvAct::kSigmoidGate>(a, vec, grid, warps, groups0, plan, m1_stages, stream);
-    default: return launch_act<MT, GemvAct::kPlain>(a, vec, grid, warps, groups0, plan, m1_stages, stream);
+    case GemvAct::kSiluMul: return launch_act<MT, GemvAct::kSiluMul>(a, vec, grid, warps, groups0, plan, stream);
+    case GemvAct::kSigmoidGate: return launch_act<MT, GemvAct::kSigmoidGate>(a, vec, grid, warps, groups0, plan, stream);
+    default: return launch_act<MT, GemvAct::kPlain>(a, vec, grid, warps, groups0, plan, stream);
   }
 }
 
@@ -917,13 +889,12 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   // chunks at K = 5120, where v1's 8-way clusters gave each CTA 5), segs / 2 or segs that
   // still gives ≥ 3 four-warp CTAs per SM (132 SMs on the H200). Warps: 4 unless that leaves
   // fewer than 2 CTAs per SM; small N (one expert, 512 rows) gets 1-warp CTAs.
-  static int sm_count[kMaxDevices] = {}, sm_smem[kMaxDevices] = {};
+  static int sm_count[kMaxDevices] = {};
   int dev = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
   if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
   if (sm_count[dev] == 0) {
     ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
-    ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_smem[dev], cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
   }
   int tiles = 0;
   for (int i = 0; i < a.num_weights; ++i) tiles += ceil_div(a.w[i].n, kTileN);
@@ -950,15 +921,14 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   const int groups = groups0 + (a.num_weights == 2 ? ceil_div(a.w[1].n, warps * kTileN) : 0);
   if (groups > 65535) return cudaErrorInvalidValue;
   const dim3 grid(splits, groups);
-  const int stages = m1_stages(grid, warps, seg_chunks * plan.segs_per_cta, sms, sm_smem[dev], !raw);
 
   W4A16GemvArgs args = a;
   if (raw && args.x2_stride == 0) args.x2_stride = a.k;   // contiguous rows
   switch (ceil_div(a.m, 8)) {
-    case 1: return launch_mt<1>(args, vec, grid, warps, groups0, stages, plan, stream);
-    case 2: return launch_mt<2>(args, vec, grid, warps, groups0, stages, plan, stream);
-    case 3: return launch_mt<3>(args, vec, grid, warps, groups0, stages, plan, stream);
-    default: return launch_mt<4>(args, vec, grid, warps, groups0, stages, plan, stream);
+    case 1: return launch_mt<1>(args, vec, grid, warps, groups0, plan, stream);
+    case 2: return launch_mt<2>(args, vec, grid, warps, groups0, plan, stream);
+    case 3: return launch_mt<3>(args, vec, grid, warps, groups0, plan, stream);
+    default: return launch_mt<4>(args, vec, grid, warps, groups0, plan, stream);
   }
 }
 
