@@ -72,7 +72,7 @@
 //   (1152 bytes) v1 issued ≈ 420 warp-instructions (≈ 12 per byte: issue-bound, measured 0.42
 //   of copy bandwidth on the 715 MB LM head); v2 issues ≈ 280 at M = 1 (152 dequant, 8 mma,
 //   14 scale conversion, ≈ 50 copy issue, barrier and loop, ≈ 50 loads and addressing) and
-//   ≈ 360 at M = 32 (32 mma); v3's warp kernel ≈ 226 at M = 1 (ncu: 120 dequant with the tiled
+//   ≈ 360 at M = 32 (32 mma); v3's one-row kernel ≈ 226 at M = 1 (ncu: 120 dequant with the tiled
 //   bit order). Measured v3.1 on the H200 (M = 1): 27B LM head 203–208 µs = 0.83–0.85 of copy
 //   bandwidth, ≈ 3.0× cuBLAS BF16; mid shapes 0.47–0.60; the bottleneck moved from the DRAM
 //   access pattern (v2.4: 0.68) to issue / the ALU pipe (ncu: 67% issue active).
