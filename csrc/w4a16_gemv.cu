@@ -570,8 +570,10 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
 // Decode at batch 1 (and the LM head of a 1-row draft) is the GEMV that must reach the copy
 // bandwidth; v2 spent ≈ 293 warp-instructions per 128-k chunk and warp there (≈ 150 of them
 // not dequant or mma: the CTA-wide barrier, activation copies and their per-chunk permutation,
-// shared copy plans) at ≈ 69% issue utilization — issue-bound at 0.68 of copy bandwidth on the
-// 27B LM head. Here every warp runs its own pipeline:
+// shared copy plans) at ≈ 69% issue utilization. Here every warp runs its own pipeline
+// (≈ 226 per chunk); measured on the 27B LM head, v2.4 250.9 µs → this kernel 231.8 → with the
+// chunk-major layout 215 → with the register-path activations 203–208 (0.83–0.85 of copy
+// bandwidth; bench/NOTES.md v3–v3.1):
 //   - the CTA's whole activation range (K_cta bf16; silu / gated: from x and x2) is loaded once
 //     through registers, permuted (or converted) into B-fragment order, behind one barrier;
 //   - each warp streams its own 16-row tile through a private kStagesM1-deep ring (lane: two
