@@ -578,17 +578,20 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
   bool x_live[kXRows];                   // column < rows
   auto enter = [&](const JobSlot<kCols>& sl) {
     const int64_t row0_e = static_cast<int64_t>(sl.e) * N;
-    if constexpr (kGateUp && F::kScaled) {
-      // The job's gate rows and its up rows are one contiguous run each (kJobRows / 2 rows of K/2
-      // bytes): one bulk L2 prefetch per stack reads them from DRAM sequentially, where the chunk
-      // stream alone asks for 256-byte row pieces K/2 bytes apart (checkpoint row-major layout);
-      // the stream's copies then hit L2. ≤ 72 KB per CTA ahead of use (28 MB over 396 CTAs).
-      if (tid < 2) {
-        const int64_t row = row0_e + sl.tile * (kJobRows / 2);
+    if constexpr (F::kScaled) {
+      // The job's rows of each stack are one contiguous run (gate_up: kJobRows / 2 gate rows and
+      // as many up rows of K/2 bytes; down: ≤ kJobRows rows): one bulk L2 prefetch per stack reads
+      // them from DRAM sequentially, where the chunk stream alone asks for 256-byte row pieces K/2
+      // bytes apart (checkpoint row-major layout); the stream's copies then hit L2. ≤ 72 KB
+      // (gate_up) / 18 KB (down) per CTA ahead of use: 28 / 14 MB of L2 over the grid.
+      constexpr int kStacks = kGateUp ? 2 : 1, kStackRows = kGateUp ? kJobRows / 2 : kJobRows;
+      if (tid < kStacks) {
+        const int n0 = sl.tile * kStackRows, rows = kGateUp ? kStackRows : min(kStackRows, N - n0);
+        const int64_t row = row0_e + n0;
         prefetch_l2_bulk(static_cast<const uint8_t*>(p.a[tid].weight) + row * F::row_bytes(K),
-                         static_cast<uint32_t>((kJobRows / 2) * F::row_bytes(K)));
+                         static_cast<uint32_t>(rows * F::row_bytes(K)));
         if ((K / 16) % 16 == 0) {   // scale rows are 16-byte aligned
-          prefetch_l2_bulk(p.a[tid].block_scale + row * (K / 16), static_cast<uint32_t>((kJobRows / 2) * (K / 16)));
+          prefetch_l2_bulk(p.a[tid].block_scale + row * (K / 16), static_cast<uint32_t>(rows * (K / 16)));
         }
       }
     }
