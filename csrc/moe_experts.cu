@@ -590,8 +590,9 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
         const int64_t row = row0_e + n0;
         prefetch_l2_bulk(static_cast<const uint8_t*>(p.a[tid].weight) + row * F::row_bytes(K),
                          static_cast<uint32_t>(rows * F::row_bytes(K)));
-        if ((K / 16) % 16 == 0) {   // scale rows are 16-byte aligned
-          prefetch_l2_bulk(p.a[tid].block_scale + row * (K / 16), static_cast<uint32_t>(rows * (K / 16)));
+        const uint8_t* scales = p.a[tid].block_scale + row * (K / 16);
+        if ((K / 16) % 16 == 0 && reinterpret_cast<uintptr_t>(scales) % 16 == 0) {   // (stacks: 8-byte aligned)
+          prefetch_l2_bulk(scales, static_cast<uint32_t>(rows * (K / 16)));
         }
       }
     }
