@@ -54,7 +54,6 @@ from atlas.config import ModelConfig
 from atlas.kv_cache import AttentionMetadata, PagedKvCache
 from atlas.linear import GEMV_CHUNKED_MAX_ROWS, Linear, gemv, gemv_dual, gemv_gated, load_linears
 
-GATED_FUSE_MAX_K = 4096   # o_proj K up to which a 1-row step fuses the gate (see _fuse_gate)
 from atlas.nvfp4 import NVFP4Weight
 
 MAX_DECODE_QUERY_LEN = 8      # paged_decode serves query_len ≤ 8 (decode and verify groups)
@@ -219,13 +218,14 @@ class Qwen3AttentionLayer:
         return self.o_proj(ops.sigmoid_gate_mul(o, gate).view(t, self.nq * self.hd))   # gate [T, nq, hd]
 
     def _fuse_gate(self, t: int) -> bool:
-        """Whether o_proj takes the gate on its load (w4a16_gemv_gated) for a T-row GEMV step.
-        Measured on the H200 (bench/results/gemv_variants.md): the fused form wins only at T = 1
-        with o_proj's K ≤ 4096 (35B-A3B 2048×4096: 6.45 vs 7.59 µs for sigmoid_gate_mul + the
-        plain GEMV); it loses at K = 6144 (27B: 16.9 vs 14.0) and at T = 8 (13.2 vs 7.9): every
-        CTA recomputes the sigmoid of its chunks, a latency chain per chunk that the saved launch
-        (≈ 1.7 µs) does not cover once a CTA's K range or the row count grows."""
-        return t == 1 and self.nq * self.hd <= GATED_FUSE_MAX_K
+        """Whether o_proj takes the gate on its load (w4a16_gemv_gated) for a T-row GEMV step:
+        at T = 1, where the one-row GEMV kernel converts the CTA's gated activations once.
+        Measured on the H200 (bench/results/bench_attention_layer_parts.md, this kernel):
+        35B-A3B 2048×4096 6.57 vs 7.59 µs for sigmoid_gate_mul + the plain GEMV, 27B 5120×6144
+        11.2 vs 12.6. At T = 8 the fused form loses (13.2 vs 7.9, results/gemv_variants.md):
+        the M > 1 kernel recomputes the sigmoid of every chunk in every CTA, a latency chain per
+        chunk that the saved launch (≈ 1.7 µs) does not cover."""
+        return t == 1
 
     def write_kv(self, hidden: Tensor, meta: AttentionMetadata, cache: PagedKvCache, layer: int = 0) -> None:
         """The K/V half of __call__: writes the rows' normed, rotated K and V into the cache,
