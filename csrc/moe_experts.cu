@@ -358,6 +358,10 @@ __host__ __device__ constexpr int min_blocks(int mt, int kg, int tw) {
 
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
+// One bulk L2 prefetch of `bytes` (multiple of 16) contiguous bytes at `p` (16-byte aligned).
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
 
 // 4-byte async copy (a global scale into a job slot), in the thread's current commit group.
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
@@ -574,6 +578,24 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
   bool x_live[kXRows];                   // column < rows
   auto enter = [&](const JobSlot<kCols>& sl) {
     const int64_t row0_e = static_cast<int64_t>(sl.e) * N;
+    if constexpr (F::kScaled) {
+      // The job's rows of each stack are one contiguous run (gate_up: kJobRows / 2 gate rows and
+      // as many up rows of K/2 bytes; down: ≤ kJobRows rows): one bulk L2 prefetch per stack reads
+      // them from DRAM sequentially, where the chunk stream alone asks for 256-byte row pieces K/2
+      // bytes apart (checkpoint row-major layout); the stream's copies then hit L2. ≤ 72 KB
+      // (gate_up) / 18 KB (down) per CTA ahead of use: 28 / 14 MB of L2 over the grid.
+      constexpr int kStacks = kGateUp ? 2 : 1, kStackRows = kGateUp ? kJobRows / 2 : kJobRows;
+      if (tid < kStacks) {
+        const int n0 = sl.tile * kStackRows, rows = kGateUp ? kStackRows : min(kStackRows, N - n0);
+        const int64_t row = row0_e + n0;
+        prefetch_l2_bulk(static_cast<const uint8_t*>(p.a[tid].weight) + row * F::row_bytes(K),
+                         static_cast<uint32_t>(rows * F::row_bytes(K)));
+        const uint8_t* scales = p.a[tid].block_scale + row * (K / 16);
+        if ((K / 16) % 16 == 0 && reinterpret_cast<uintptr_t>(scales) % 16 == 0) {   // (stacks: 8-byte aligned)
+          prefetch_l2_bulk(scales, static_cast<uint32_t>(rows * (K / 16)));
+        }
+      }
+    }
 #pragma unroll
     for (int j = 0; j < kWPieces; ++j) {
       const int q = tid + kCtaThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
