@@ -133,30 +133,50 @@ def _chunk_major(t: Tensor, row_bytes_per_chunk: int) -> Tensor:
 
 
 # The tiled copy also re-places the bits inside each 32-bit word (8 codes, code i = k offset i):
-# the kernel forms bf16x2 register i = (code i, code i + 4) · 2^-126 (e2m1 magnitude at bf16
-# bits 6..8 / 22..24, sign at 15 / 31) as
-#   (rotr(q, R_i) & 0x01C001C0) | (rotr(q, S_i) & 0x80008000),  (R_i, S_i) = GEMV_WORD_ROTATIONS[i],
-# one masked rotation when R_i == S_i: 5 rotations and 6 LOP3 per word instead of the
-# checkpoint layout's 15 shift/mask instructions (no four translates of that bit pattern tile a
-# word, so one rotation per register is impossible; this is the cheapest assignment: exhaustive
-# search). Code i's magnitude bit b (0..2) lives at (6 + b + R_i) mod 32, its sign at
-# (15 + S_i) mod 32; code i + 4's at (22 + b + R_i) and (31 + S_i) mod 32.
-GEMV_WORD_ROTATIONS = ((0, 0), (3, 1), (6, 6), (11, 5))
+# the kernel forms bf16x2 register i = (code i, code i + 4) · 2^-126 — e2m1 magnitude bits 0..2
+# at bf16 bits 6..8 / 22..24, sign at 15 / 31 — as the sum of disjoint masked, shifted pieces of
+# the word (GEMV_WORD_PIECES[i]: (mask, left shift; negative = right shift) pairs):
+#   r0 = q & 0x81C081C0
+#   r1 = (q & 0x02070207) << 6
+#   r2 = ((q & 0x00380038) << 3) + ((q & 0x04000400) << 5)
+#   r3 = ((q & 0x38003800) >> 5) + ((q & 0x40004000) << 1)
+# 6 masks (LOP3, the 16-lane ALU pipe) + 5 shifts/adds that ptxas maps to IMAD on the FMA pipe,
+# where v3's rotations (GEMV_WORD_ROTATIONS below: 5 SHF.W + 6 LOP3, 11 ALU ops) kept the ALU pipe
+# the bottleneck (ncu: math-pipe throttle). No assignment with fewer than 5 shifted pieces
+# exists, nor one with left shifts only (search: bench/NOTES.md, w4a16_gemv v3.4). Register i's
+# 8 bits, in the order (code i bits 0, 1, 2, sign; code i + 4 bits 0, 1, 2, sign), come from the
+# word bits GEMV_WORD_SOURCES[i].
+GEMV_BF16_SLOTS = (6, 7, 8, 15, 22, 23, 24, 31)
+GEMV_WORD_SOURCES = ((6, 7, 8, 15, 22, 23, 24, 31),
+                     (0, 1, 2, 9, 16, 17, 18, 25),
+                     (3, 4, 5, 10, 19, 20, 21, 26),
+                     (11, 12, 13, 14, 27, 28, 29, 30))
+
+
+def _pieces(sources: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(mask, shift) pieces of one register: the source bits grouped by their shift."""
+    by_shift: dict[int, int] = {}
+    for src, dst in zip(sources, GEMV_BF16_SLOTS):
+        by_shift[dst - src] = by_shift.get(dst - src, 0) | (1 << src)
+    return tuple((mask, shift) for shift, mask in sorted(by_shift.items(), key=lambda kv: -kv[1]))
+
+
+GEMV_WORD_PIECES = tuple(_pieces(src) for src in GEMV_WORD_SOURCES)
 
 
 def _gemv_word_moves() -> list[tuple[int, int, int]]:
-    """(source shift, width mask, destination bit) of each field a tiled word is built from."""
+    """(source bit of the checkpoint word, 1, destination bit of the tiled word) per code bit."""
     moves = []
-    for i, (r, s) in enumerate(GEMV_WORD_ROTATIONS):
-        for code, mag_at, sign_at in ((i, 6, 15), (i + 4, 22, 31)):
-            moves.append((4 * code, 0x7, (mag_at + r) % 32))
-            moves.append((4 * code + 3, 0x1, (sign_at + s) % 32))
+    for i, sources in enumerate(GEMV_WORD_SOURCES):
+        for j, dst in enumerate(sources):
+            code = i if j < 4 else i + 4
+            moves.append((4 * code + (j % 4), 0x1, dst))
     return moves
 
 
 def gemv_word_bits(packed: Tensor) -> Tensor:
     """uint8 [..., 4j] checkpoint packing → the same codes in the tiled word bit order above
-    (little-endian 32-bit words; a 3-bit magnitude field never wraps past bit 31)."""
+    (little-endian 32-bit words)."""
     words = packed.reshape(-1, 4).to(torch.int64)
     w = words[:, 0] | (words[:, 1] << 8) | (words[:, 2] << 16) | (words[:, 3] << 24)
     out = torch.zeros_like(w)

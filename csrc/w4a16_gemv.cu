@@ -57,9 +57,10 @@
 //         tile-major runs (40 KB apart per warp) reached 0.68–0.76 of copy bandwidth.
 //   M = 1 (v3): w4a16_gemv_m1_kernel — the CTA's activations loaded and permuted once, each
 //         warp its own cp.async ring synced by __syncwarp() (no CTA barrier in the loop); the
-//         tiled layout's words carry their bits pre-placed (nvfp4.gemv_word_bits,
-//         dequant_word_tiled: 11 instead of 15 bit operations per word). Same mma sequence and
-//         sums as every M, so the rows stay batch invariant.
+//         tiled layout's words carry their bits pre-placed (nvfp4.GEMV_WORD_PIECES,
+//         dequant_word_tiled, v3.4: 6 masks on the ALU pipe + 5 shifts on the FMA pipe per word
+//         instead of 15 shift/mask instructions). Same mma sequence and sums as every M, so the
+//         rows stay batch invariant.
 //   tails: rows ≥ n and (generic path) k ≥ K are zero-filled by cp.async; K % 128 == 0 with
 //         16-byte-aligned rows takes the vector path, any K % 16 == 0 the generic one.
 //         Activation rows ≥ M in the last n8 tile are never written: they feed only output
@@ -212,15 +213,16 @@ struct SegmentSums {
   }
 };
 
-// dequant_word for the tiled layout's word bit order (atlas/nvfp4.py gemv_word_bits): the same
-// 4 bf16x2 registers r[i] = (code i, code i+4) · f from 5 rotations and 6 LOP3 (+ 4 HMUL2)
-// instead of 15 shift/mask instructions: register i is (rotr(q, R_i) & magnitudes) |
-// (rotr(q, S_i) & signs), (R_i, S_i) = (0, 0), (3, 1), (6, 6), (11, 5).
-__device__ __forceinline__ uint32_t rotr(uint32_t q, int r) { return __funnelshift_r(q, q, r); }
+// dequant_word for the tiled layout's word bit order (atlas/nvfp4.py GEMV_WORD_PIECES): the
+// same 4 bf16x2 registers r[i] = (code i, code i+4) · f, register i the sum of disjoint masked,
+// shifted pieces of q. Written as multiplies and a high multiply so ptxas puts the 5 shifts on
+// the FMA pipe (IMAD.SHL, LEA.HI) and only the masks on the 16-lane ALU pipe — v3's rotations
+// (5 SHF.W + 6 LOP3 per word) kept the ALU pipe the bottleneck (v3.4, bench/NOTES.md).
 __device__ __forceinline__ void dequant_word_tiled(uint32_t q, __nv_bfloat162 f, uint32_t (&r)[4]) {
-  constexpr uint32_t kMag = 0x01C001C0u, kSign = 0x80008000u;
-  const uint32_t sub[4] = {q & (kMag | kSign), (rotr(q, 3) & kMag) | (rotr(q, 1) & kSign),
-                           rotr(q, 6) & (kMag | kSign), (rotr(q, 11) & kMag) | (rotr(q, 5) & kSign)};
+  const uint32_t sub[4] = {q & 0x81C081C0u,
+                           (q & 0x02070207u) * 64u,
+                           (q & 0x00380038u) * 8u + (q & 0x04000400u) * 32u,
+                           __umulhi(q & 0x38003800u, 1u << 27) + (q & 0x40004000u) * 2u};
 #pragma unroll
   for (int i = 0; i < 4; ++i) r[i] = bf162_bits(__hmul2(bits_bf162(sub[i]), f));
 }
@@ -917,6 +919,19 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
       return per_sm / std::ceil(per_sm);
     };
     if (used(kMaxWarps / 2) > used(kMaxWarps) + 0.05) warps = kMaxWarps / 2;
+  }
+  // M = 1 on the vector path (the one-row kernel): 4 warps per CTA and the fewest splits that
+  // give every SM a CTA. v3.4's sweep of every (splits, warps) on the H200 (bench/NOTES.md) found
+  // this best or within 2% of best on 8 of 10 shapes — the rule above loses up to 22% (35B
+  // q+gate+k+v: 4-CTA clusters of 2-warp CTAs run in two waves, 12.2 µs vs 9.5 with one
+  // 144-CTA wave) — and ≤ 7% behind on the other two (27B o, q+gate+k+v).
+  if (a.m == 1 && vec) {
+    warps = kMaxWarps;
+    while (warps > 1 && warps / 2 >= tiles) warps /= 2;
+    splits = segs;
+    for (const int s : {1, segs / 2}) {
+      if (s >= 1 && s < splits && ceil_div(tiles, warps) * s >= sms) { splits = s; break; }
+    }
   }
   const SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};
   const int groups0 = ceil_div(a.w[0].n, warps * kTileN);

@@ -540,9 +540,10 @@ def _u32(b: torch.Tensor) -> torch.Tensor:
 def test_gemv_word_bits_dequant_cpu():
     """The kernel's two dequantizations, emulated on int64 words: dequant_word on checkpoint
     words (register i = the bf16x2 bits of (code i, code i + 4) · 2^-126) and dequant_word_tiled
-    on gemv_word_bits words give the same registers — for every code value at every position
-    (each byte of the word swept through 0..255 with random others) and random words."""
-    from atlas.nvfp4 import GEMV_WORD_ROTATIONS, gemv_word_bits
+    on gemv_word_bits words (register i = the sum of its masked, shifted pieces) give the same
+    registers — for every code value at every position (each byte of the word swept through
+    0..255 with random others) and random words."""
+    from atlas.nvfp4 import GEMV_WORD_PIECES, gemv_word_bits
     g = torch.Generator().manual_seed(7)
     words = torch.randint(0, 256, (4096, 4), generator=g, dtype=torch.int64)
     sweep = torch.randint(0, 256, (4, 256, 4), generator=g, dtype=torch.int64)
@@ -551,14 +552,16 @@ def test_gemv_word_bits_dequant_cpu():
     packed = torch.cat([words, sweep.reshape(-1, 4)]).to(torch.uint8)
     q, t = _u32(packed), _u32(gemv_word_bits(packed))
     m32 = 0xFFFFFFFF
-
-    def rotr(x, r):
-        return ((x >> r) | (x << (32 - r))) & m32 if r else x
-
-    for i, (r, s) in enumerate(GEMV_WORD_ROTATIONS):
+    assert GEMV_WORD_PIECES == (((0x81C081C0, 0),), ((0x02070207, 6),),
+                                ((0x04000400, 5), (0x00380038, 3)),
+                                ((0x40004000, 1), (0x38003800, -5))), "csrc/w4a16_gemv.cu hard-codes these"
+    for i, pieces in enumerate(GEMV_WORD_PIECES):
         v = (q << (12 - 4 * i)) & m32
         want = (v & 0x80008000) | ((v >> 6) & 0x01C001C0)
-        got = (rotr(t, r) & 0x01C001C0) | (rotr(t, s) & 0x80008000)
+        got = torch.zeros_like(t)
+        for mask, shift in pieces:
+            piece = t & mask
+            got += ((piece << shift) if shift >= 0 else (piece >> -shift)) & m32
         assert torch.equal(got, want), f"register {i}"
 
 
