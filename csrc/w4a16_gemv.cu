@@ -924,8 +924,10 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   // give every SM a CTA. v3.4's sweep of every (splits, warps) on the H200 (bench/NOTES.md) found
   // this best or within 2% of best on 8 of 10 shapes — the rule above loses up to 22% (35B
   // q+gate+k+v: 4-CTA clusters of 2-warp CTAs run in two waves, 12.2 µs vs 9.5 with one
-  // 144-CTA wave) — and ≤ 7% behind on the other two (27B o, q+gate+k+v).
-  if (a.m == 1 && vec) {
+  // 144-CTA wave) — and ≤ 7% behind on the other two (27B o, q+gate+k+v). Plain activations
+  // only: the silu / gated prologue (expf and a division per element) wants the shorter K
+  // ranges of the rule above (v3.4 run: gated 27B o_proj 12.7 µs with this rule, 11.2 in v3.1).
+  if (a.m == 1 && vec && a.act == GemvAct::kPlain) {
     warps = kMaxWarps;
     while (warps > 1 && warps / 2 >= tiles) warps /= 2;
     splits = segs;
