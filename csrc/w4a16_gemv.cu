@@ -81,6 +81,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -632,39 +633,39 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
 
   // The warp's copy plan: pieces p = lane, lane + 32 of its tile's 16 rows × 4 (row p / 4,
   // piece p % 4: the stage's [16][64 B] is p · 16 B), lanes < 16 row lane's 8 scale bytes.
-  // Rows ≥ n zero-fill from a fixed address; pointers advance by a constant per chunk.
+  // Rows ≥ n read row n − 1 instead (real memory in both layouts; their mma rows are never
+  // stored), so no copy needs a zero-fill predicate; pointers advance by a constant per chunk.
   const uint8_t* w_src[2];
-  int64_t w_step[2];                    // 64-bit: no sign extension per pointer advance
+  int64_t w_step = 0;                   // 64-bit: no sign extension per pointer advance
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const int p = lane + 32 * j, n = tile_row0 + (p >> 2);
+    const int p = lane + 32 * j, n = min(tile_row0 + (p >> 2), n_rows - 1);
     int64_t off = 0;
     int step = 0;
-    if (n < n_rows) row_plan(wt, K, c_begin, n, kRowBytes, off, step);
-    w_src[j] = wt.packed + (n < n_rows ? off + (p & 3) * 16 : 0);
-    w_step[j] = n < n_rows ? step : 0;
+    row_plan(wt, K, c_begin, n, kRowBytes, off, step);
+    w_src[j] = wt.packed + off + (p & 3) * 16;
+    w_step = step;
   }
-  const uint8_t* s_src = wt.block_scale;
-  int64_t s_step = 0;
-  if (lane < kTileN && tile_row0 + lane < n_rows) {
+  const bool s_issuer = lane < kTileN;
+  const uint8_t* s_src;
+  int64_t s_step;
+  {
     int64_t off = 0;
     int step = 0;
-    row_plan(wt, K, c_begin, tile_row0 + lane, kScaleBytes, off, step);
+    row_plan(wt, K, c_begin, min(tile_row0 + lane % kTileN, n_rows - 1), kScaleBytes, off, step);
     s_src = wt.block_scale + off;
     s_step = step;
   }
-  const int ring = lay.ring_off + warp * kStagesM1 * kWarpStageBytes;   // this warp's ring
-  auto issue = [&](int stage) {
-    const uint32_t st = smem_base + ring + stage * kWarpStageBytes;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      cp_async16(st + (lane + 32 * j) * 16, w_src[j], w_step[j] ? 16 : 0);
-      w_src[j] += w_step[j];
-    }
-    if (lane < kTileN) {
-      cp_async8(st + kTileN * kRowBytes + lane * kScaleBytes, s_src, s_step ? 8 : 0);
-      s_src += s_step;
-    }
+  // Stages by byte offset in this warp's ring (shared-window addresses).
+  const uint32_t ring = smem_base + lay.ring_off + warp * kStagesM1 * kWarpStageBytes;
+  const uint32_t ring_end = ring + kStagesM1 * kWarpStageBytes;
+  auto issue = [&](uint32_t st) {
+    cp_async16(st + lane * 16, w_src[0]);
+    cp_async16(st + (lane + 32) * 16, w_src[1]);
+    w_src[0] += w_step;
+    w_src[1] += w_step;
+    if (s_issuer) cp_async8(st + kTileN * kRowBytes + lane * kScaleBytes, s_src);
+    s_src += s_step;
   };
 
   // ---- prologue: the first kStagesM1 − 1 chunks' weights (before the previous kernel is
@@ -672,7 +673,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   if (warp_has_rows) {
 #pragma unroll
     for (int p = 0; p < kStagesM1 - 1; ++p) {
-      if (p < chunks) issue(p);
+      if (p < chunks) issue(ring + p * kWarpStageBytes);
       cp_async_commit();
     }
   }
@@ -723,28 +724,36 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   __syncthreads();
 
   // ---- main loop: chunk cc of this warp's tile; stage cc mod kStagesM1 ----
+  // Segment by segment (the CTA's range starts on a segment boundary), so the chunk loop only
+  // counts; the layout's dequant is chosen once, outside it.
   SegmentSums<1> sums;
-  if (warp_has_rows) {
+  auto run = [&](auto tiled_bits) {
+    constexpr bool kTiledBits = decltype(tiled_bits)::value;
     const uint8_t* xs = smem + lay.x_off + t * 16;             // + chunk · 256 + word · 64
-    const int lane_w = ring + g * kRowBytes + t * 16;
-    const int lane_s = ring + kTileN * kRowBytes + g * kScaleBytes + 2 * t;
-    int cur = 0, fill = kStagesM1 - 1, seg_left = plan.seg_chunks;
-    for (int cc = 0; cc < chunks; ++cc) {
-      cp_async_wait<kStagesM1 - 2>();   // chunk cc (this lane's pieces) landed
-      __syncwarp();                     // … every lane's; the warp is done with chunk cc − 1's stage
-      if (cc + kStagesM1 - 1 < chunks) issue(fill);
-      cp_async_commit();
-      const int st = cur * kWarpStageBytes;
-      auto xfrag = [&](int w, int) { return *reinterpret_cast<const uint4*>(xs + cc * kXRowBytes + w * 64); };
-      if (wt.tiled) mma_chunk<1, true>(sums.acc, smem + lane_w + st, smem + lane_s + st, xfrag);
-      else mma_chunk<1, false>(sums.acc, smem + lane_w + st, smem + lane_s + st, xfrag);
-      if (--seg_left == 0 || cc + 1 == chunks) {
-        sums.finish_segment(splits, plan);
-        seg_left = plan.seg_chunks;
+    const uint32_t lane_w = g * kRowBytes + t * 16;            // inside a stage
+    const uint32_t lane_s = kTileN * kRowBytes + g * kScaleBytes + 2 * t;
+    const uint8_t* ring_ptr = smem + (ring - smem_base);
+    uint32_t cur = ring, fill = ring + (kStagesM1 - 1) * kWarpStageBytes;
+    int cc = 0;
+    for (int seg_end = min(plan.seg_chunks, chunks);; seg_end = min(seg_end + plan.seg_chunks, chunks)) {
+      for (; cc < seg_end; ++cc) {
+        cp_async_wait<kStagesM1 - 2>();   // chunk cc (this lane's pieces) landed
+        __syncwarp();                     // … every lane's; the warp is done with chunk cc − 1's stage
+        if (cc + kStagesM1 - 1 < chunks) issue(fill);
+        cp_async_commit();
+        const uint8_t* st = ring_ptr + (cur - ring);
+        auto xfrag = [&](int w, int) { return *reinterpret_cast<const uint4*>(xs + cc * kXRowBytes + w * 64); };
+        mma_chunk<1, kTiledBits>(sums.acc, st + lane_w, st + lane_s, xfrag);
+        fill = cur;
+        cur = cur + kWarpStageBytes == ring_end ? ring : cur + kWarpStageBytes;
       }
-      fill = cur;
-      cur = cur + 1 == kStagesM1 ? 0 : cur + 1;
+      sums.finish_segment(splits, plan);
+      if (cc == chunks) break;
     }
+  };
+  if (warp_has_rows && chunks > 0) {
+    if (wt.tiled) run(std::true_type{});
+    else run(std::false_type{});
   }
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   store_rows<1>(args, wt, plan, sums, row0, smem);

@@ -28,6 +28,14 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int sr
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
                :: "r"(dst), "l"(src), "r"(src_bytes));
 }
+// The same copies without the zero-fill operand (every source row is real: no per-copy
+// predicate to recompute).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 8;\n" :: "r"(dst), "l"(src));
+}
 // 8-byte async copy (.ca: .cg only moves 16 bytes), same prefetch size.
 __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 8, %2;\n"
