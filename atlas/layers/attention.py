@@ -219,13 +219,13 @@ class Qwen3AttentionLayer:
 
     def _fuse_gate(self, t: int) -> bool:
         """Whether o_proj takes the gate on its load (w4a16_gemv_gated) for a T-row GEMV step:
-        at T = 1, where the one-row GEMV kernel converts the CTA's gated activations once.
-        Measured on the H200 (bench/results/bench_attention_layer_parts.md, this kernel):
-        35B-A3B 2048×4096 6.57 vs 7.59 µs for sigmoid_gate_mul + the plain GEMV, 27B 5120×6144
-        11.2 vs 12.6. At T = 8 the fused form loses (13.2 vs 7.9, results/gemv_variants.md):
-        the M > 1 kernel recomputes the sigmoid of every chunk in every CTA, a latency chain per
-        chunk that the saved launch (≈ 1.7 µs) does not cover."""
-        return t == 1
+        at T = 1 with o_proj K = nq·hd ≤ 4096. Measured on the H200 (bench/results/
+        gemv_variants.md, gemv v3.4): 35B-A3B 2048×4096 fused 6.67 vs 7.19 µs for
+        sigmoid_gate_mul + the plain GEMV; 27B 5120×6144 fused 12.2 vs 11.1 — the plain one-row
+        GEMV now streams faster than the gated prologue (expf per element over the CTA's K range)
+        saves. At T = 8 the fused form loses everywhere (13.0 vs 7.9 at 2048×4096): the M > 1
+        kernel recomputes the sigmoid of every chunk in every CTA."""
+        return t == 1 and self.nq * self.hd <= 4096
 
     def write_kv(self, hidden: Tensor, meta: AttentionMetadata, cache: PagedKvCache, layer: int = 0) -> None:
         """The K/V half of __call__: writes the rows' normed, rotated K and V into the cache,
