@@ -1,0 +1,214 @@
+// gemv_probe driver: where the one-row GEMV's time goes, without hardware counters.
+//
+//   driver [sweep|x] [M]      (built by run.sh against make_probe.py's instrumented kernel)
+//
+// Per shape (the Qwen3.6 bench shapes, tiled layout, random bytes with finite e4m3 scales):
+//   gemv_us   graph-replayed µs per call, weights rotated over ≥ 4 copies (≥ 600 MB in total)
+//   read_us   a plain 16-byte-load read of the same bytes, graph-replayed the same way
+//   floor_us  bytes / 4.2 TB/s
+// then one probed cold call: CTA start / end spread (%globaltimer), effective SM clock, per-SM
+// CTA counts with their last end time, and the phase split in SM cycles (p10/p50/p90):
+//   issue (weight prologue), pdlwait, acts (activation prologue), chunk0 (first chunk landed),
+//   loop (main loop), store (split-K reduction + stores).
+// `sweep`: the same timing for every (splits, warps) the launcher could pick.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "w4a16_gemv.h"
+
+namespace atlas {
+void set_probe(unsigned long long* p);
+extern int g_force_splits, g_force_warps, g_last_splits, g_last_warps;
+}  // namespace atlas
+using namespace atlas;
+
+#define CK(x)                                                                                    \
+  do {                                                                                           \
+    cudaError_t e_ = (x);                                                                        \
+    if (e_ != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); exit(1); } \
+  } while (0)
+
+__global__ void fill_bytes(uint8_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
+    p[i] = uint8_t(h);
+  }
+}
+__global__ void fill_scales(uint8_t* p, size_t n) {  // e4m3 in [2^-4, 2^3]: finite, no NaN
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = uint8_t(0x20 + (i * 7) % 0x30);
+}
+// p: [n16] 16-byte units, 4 loads in flight per thread; out written only on an impossible value.
+__global__ void read_bytes(const uint4* __restrict__ p, size_t n16, float* out) {
+  uint32_t acc = 0;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    const uint4 a = __ldcs(p + i), b = __ldcs(p + i + stride), c = __ldcs(p + i + 2 * stride), d = __ldcs(p + i + 3 * stride);
+    acc ^= a.x ^ b.y ^ c.z ^ d.w;
+  }
+  for (; i < n16; i += stride) acc ^= __ldcs(p + i).x;
+  if (acc == 0x12345678u) out[0] = 1.0f;
+}
+
+struct Shape { const char* name; int n, k; };
+
+template <typename F>
+float graph_us(cudaStream_t s, int reps, F launch_rep) {   // median of 7 replays, µs per call
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int r = 0; r < reps; ++r) launch_rep(r);
+  CK(cudaStreamEndCapture(s, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> t;
+  for (int it = 0; it < 7; ++it) {
+    CK(cudaEventRecord(e0, s));
+    CK(cudaGraphLaunch(ge, s));
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    t.push_back(ms * 1e3f / reps);
+  }
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  std::sort(t.begin(), t.end());
+  return t[3];
+}
+
+template <typename T>
+T quantile(std::vector<T> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, size_t(q * v.size()))];
+}
+
+// h: [ctas][16] as make_probe.py writes it.
+void report(const std::vector<unsigned long long>& h, int ctas) {
+  unsigned long long t0 = ~0ull, tend = 0;
+  for (int c = 0; c < ctas; ++c) { t0 = std::min(t0, h[c * 16]); tend = std::max(tend, h[c * 16 + 6]); }
+  std::vector<double> start, end, clock;
+  std::vector<int> count(256, 0);
+  std::vector<double> last(256, 0.0);
+  for (int c = 0; c < ctas; ++c) {
+    const unsigned long long* p = &h[c * 16];
+    start.push_back((p[0] - t0) / 1e3);
+    end.push_back((p[6] - t0) / 1e3);
+    const double ns = double(p[6] - p[0]);
+    if (ns > 2000) clock.push_back((p[14] - p[8]) / ns);
+    const int sm = int(p[7]) & 255;
+    ++count[sm];
+    last[sm] = std::max(last[sm], end.back());
+  }
+  printf("    span %.2f us; CTA start p50/p100 %.2f/%.2f, end p0/p50/p100 %.2f/%.2f/%.2f; SM clock p50 %.2f GHz\n",
+         (tend - t0) / 1e3, quantile(start, 0.5), quantile(start, 1.0), quantile(end, 0.0), quantile(end, 0.5),
+         quantile(end, 1.0), clock.empty() ? 0.0 : quantile(clock, 0.5));
+  printf("    per SM (CTAs: SMs, mean last end us):");
+  for (int n = 1; n < 64; ++n) {
+    int sms = 0;
+    double sum = 0;
+    for (int sm = 0; sm < 256; ++sm) if (count[sm] == n) { ++sms; sum += last[sm]; }
+    if (sms) printf("  %d: %d, %.1f", n, sms, sum / sms);
+  }
+  printf("\n    phase cycles p10/p50/p90:");
+  const char* names[6] = {"issue", "pdlwait", "acts", "chunk0", "loop", "store"};
+  for (int ph = 0; ph < 6; ++ph) {
+    std::vector<long long> d;
+    for (int c = 0; c < ctas; ++c) d.push_back((long long)(h[c * 16 + 9 + ph] - h[c * 16 + 8 + ph]));
+    printf("  %s %lld/%lld/%lld", names[ph], quantile(d, 0.1), quantile(d, 0.5), quantile(d, 0.9));
+  }
+  printf("\n");
+}
+
+int main(int argc, char** argv) {
+  const bool sweep = argc > 1 && std::string(argv[1]) == "sweep";
+  const int M = argc > 2 ? atoi(argv[2]) : 1;
+  int sms;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const Shape shapes[] = {{"35B expert down", 2048, 512}, {"35B shared", 512, 2048}, {"35B o", 2048, 4096},
+                          {"35B q+g+k+v", 9216, 2048},    {"27B o", 5120, 6144},     {"27B q+g+k+v", 14336, 5120},
+                          {"27B down", 5120, 17408},      {"27B gate_up", 34816, 5120}, {"35B lm", 248320, 2048},
+                          {"27B lm", 248320, 5120}};
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  float *gscale, *sink;
+  CK(cudaMalloc(&gscale, 4));
+  CK(cudaMalloc(&sink, 4));
+  const float one = 1.0f;
+  CK(cudaMemcpy(gscale, &one, 4, cudaMemcpyHostToDevice));
+  printf("M = %d\n%-16s %7s %6s %8s %8s %8s %6s\n", M, "shape", "MB", "copies", "gemv_us", "read_us", "floor_us", "ctas");
+  for (const Shape& sh : shapes) {
+    const size_t packed = size_t(sh.n) * sh.k / 2, scales = size_t(sh.n) * sh.k / 16, per = packed + scales;
+    const int copies = std::max(4, std::min(64, int(600e6 / per)));
+    uint8_t *w, *x, *y;
+    CK(cudaMalloc(&w, per * copies));
+    CK(cudaMalloc(&x, size_t(M) * sh.k * 2));
+    CK(cudaMalloc(&y, size_t(M) * sh.n * 4));
+    fill_bytes<<<1024, 256, 0, s>>>(w, per * copies, 17);
+    for (int c = 0; c < copies; ++c) fill_scales<<<256, 256, 0, s>>>(w + c * per + packed, scales);
+    fill_bytes<<<64, 256, 0, s>>>(x, size_t(M) * sh.k * 2, 5);   // random bf16 bits: timing only
+    auto args = [&](int c) {   // copy c as a tiled (chunk-major) weight
+      W4A16GemvArgs a;
+      a.x = x; a.m = M; a.k = sh.k; a.num_weights = 1;
+      a.w[0].packed = w + c * per; a.w[0].block_scale = w + c * per + packed;
+      a.w[0].tiled = true; a.w[0].rows = sh.n; a.w[0].global_scale = gscale; a.w[0].out = y; a.w[0].n = sh.n;
+      return a;
+    };
+    const int reps = std::max(copies, 40);
+    auto gemv = [&] {
+      for (int c = 0; c < copies; ++c) CK(launch_w4a16_gemv(args(c), s));   // instantiation, smem opt-in
+      CK(cudaStreamSynchronize(s));
+      return graph_us(s, reps, [&](int r) { CK(launch_w4a16_gemv(args(r % copies), s)); });
+    };
+    const float gemv_us = gemv();
+    const int rblocks = int(std::min<size_t>(size_t(sms) * 8, (per / 16 + 511) / 512));
+    const float read_us = graph_us(s, reps, [&](int r) {
+      read_bytes<<<rblocks, 512, 0, s>>>(reinterpret_cast<const uint4*>(w + (r % copies) * per), per / 16, sink);
+    });
+    const int max_ctas = 70000;
+    unsigned long long* probe_buf;
+    CK(cudaMalloc(&probe_buf, size_t(max_ctas) * 16 * 8));
+    CK(cudaMemset(probe_buf, 0, size_t(max_ctas) * 16 * 8));
+    set_probe(probe_buf);
+    CK(launch_w4a16_gemv(args(copies / 2), s));
+    CK(cudaStreamSynchronize(s));
+    set_probe(nullptr);
+    std::vector<unsigned long long> h(size_t(max_ctas) * 16);
+    CK(cudaMemcpy(h.data(), probe_buf, h.size() * 8, cudaMemcpyDeviceToHost));
+    int ctas = 0;
+    while (ctas < max_ctas && h[ctas * 16] != 0) ++ctas;
+    printf("%-16s %7.2f %6d %8.2f %8.2f %8.2f %6d   (splits %d, warps %d)\n", sh.name, per / 1e6, copies, gemv_us,
+           read_us, per / 4.2e3, ctas, g_last_splits, g_last_warps);
+    if (ctas > 0) report(h, ctas);
+    if (sweep) {
+      const int segs = w4a16_gemv_k_splits(sh.k);
+      printf("    sweep (splits, warps: us):");
+      for (const int sp : {1, segs / 2, segs}) {
+        if (sp < 1 || (sp == segs / 2 && (sp == 1 || sp == segs))) continue;
+        for (const int wp : {1, 2, 4}) {
+          g_force_splits = sp;
+          g_force_warps = wp;
+          printf("  s%d w%d %.2f", sp, wp, gemv());
+        }
+      }
+      g_force_splits = g_force_warps = 0;
+      printf("\n");
+    }
+    CK(cudaFree(probe_buf));
+    CK(cudaFree(w));
+    CK(cudaFree(x));
+    CK(cudaFree(y));
+  }
+  return 0;
+}
