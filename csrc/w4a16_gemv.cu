@@ -74,9 +74,11 @@
 //   of copy bandwidth on the 715 MB LM head); v2 issues ≈ 280 at M = 1 (152 dequant, 8 mma,
 //   14 scale conversion, ≈ 50 copy issue, barrier and loop, ≈ 50 loads and addressing) and
 //   ≈ 360 at M = 32 (32 mma); v3's one-row kernel ≈ 226 at M = 1 (ncu: 120 dequant with the tiled
-//   bit order). Measured v3.1 on the H200 (M = 1): 27B LM head 203–208 µs = 0.83–0.85 of copy
-//   bandwidth, ≈ 3.0× cuBLAS BF16; mid shapes 0.47–0.60; the bottleneck moved from the DRAM
-//   access pattern (v2.4: 0.68) to issue / the ALU pipe (ncu: 67% issue active).
+//   bit order), v3.5's ≈ 191 (the tiled dequant's shifts moved to the FMA pipe, no zero-fill
+//   predicates, the layout branch out of the loop). Measured v3.5 on the H200 (M = 1): 27B LM
+//   head 178 µs = 0.97 of copy bandwidth, 3.5× cuBLAS BF16, within 6% of the memory stream
+//   alone; mid shapes 0.39–0.72, most of the rest lost to SMs holding one CTA more than others
+//   (bench/gemv_probe; bench/NOTES.md v3.4–v3.5).
 #include "w4a16_gemv.h"
 
 #include <algorithm>
@@ -574,9 +576,9 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
 // bandwidth; v2 spent ≈ 293 warp-instructions per 128-k chunk and warp there (≈ 150 of them
 // not dequant or mma: the CTA-wide barrier, activation copies and their per-chunk permutation,
 // shared copy plans) at ≈ 69% issue utilization. Here every warp runs its own pipeline
-// (≈ 226 per chunk); measured on the 27B LM head, v2.4 250.9 µs → this kernel 231.8 → with the
-// chunk-major layout 215 → with the register-path activations 203–208 (0.83–0.85 of copy
-// bandwidth; bench/NOTES.md v3–v3.1):
+// (≈ 191 per chunk at v3.5); measured on the 27B LM head, v2.4 250.9 µs → this kernel 231.8 →
+// with the chunk-major layout 215 → with the register-path activations 203–208 → v3.4's dequant
+// 192.6 → v3.5's loop 178.2 (0.97 of copy bandwidth; bench/NOTES.md v3–v3.5):
 //   - the CTA's whole activation range (K_cta bf16; silu / gated: from x and x2) is loaded once
 //     through registers, permuted (or converted) into B-fragment order, behind one barrier;
 //   - each warp streams its own 16-row tile through a private kStagesM1-deep ring (lane: two
