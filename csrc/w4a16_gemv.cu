@@ -61,7 +61,8 @@
 //         dequant_word_tiled, v3.4: 6 masks on the ALU pipe + 5 shifts on the FMA pipe per word
 //         instead of 15 shift/mask instructions). Same mma sequence and sums as every M, so the
 //         rows stay batch invariant.
-//   tails: rows ≥ n and (generic path) k ≥ K are zero-filled by cp.async; K % 128 == 0 with
+//   tails: rows ≥ n (the one-row kernel: they read row n − 1 instead) and (generic path) k ≥ K
+//         are zero-filled by cp.async; K % 128 == 0 with
 //         16-byte-aligned rows takes the vector path, any K % 16 == 0 the generic one.
 //         Activation rows ≥ M in the last n8 tile are never written: they feed only output
 //         columns ≥ M (mma columns are independent), which are never stored.
