@@ -2,7 +2,7 @@
 # One command for a fresh GPU machine: build the extension, run the CUDA tests (also once under
 # compute-sanitizer memcheck), run the benches, and print a short table last.
 #
-#   bench/gpu_check.sh [stages...]     stages: build info test memcheck ctest bench bench-quick peers ncu
+#   bench/gpu_check.sh [stages...]     stages: build info test memcheck ctest bench bench-quick peers ncu probe
 #   default: build info test memcheck bench
 #
 # Logs and bench/results go to $OUT (the device tool's return folder) when set, else /tmp/atlas_gpu.
@@ -66,6 +66,12 @@ if has ncu; then
   run_stage ncu ncu.log bash -c "ncu --profile-from-start off --clock-control none --cache-control all --csv \
     --metrics $(tr -d '\n' < bench/ncu_metrics.txt) python3 bench/ncu_targets.py gemv:248320x5120 \
     gemv:14336x5120 gemv:5120x6144 gemv:2048x512 paged:1x32768:16/2:bf16 paged:128x8192:16/2:bf16 > $OUT/ncu.csv"
+fi
+if has probe; then
+  # The torch-free one-row GEMV probe (bench/gemv_probe): per-shape phase split, per-SM end times,
+  # memory-only / no-prologue variants and a (splits, warps) sweep, M = 1.
+  run_stage probe probe.log bash bench/gemv_probe/run.sh 1
+  grep -vE "^    (phase|per SM)" "$OUT/probe.log" | head -60
 fi
 if has bench || has bench-quick; then
   q=""; has bench-quick && q="--quick"
