@@ -8,6 +8,9 @@ for Nsight Compute (no timing here: timing lives in the bench_*.py scripts).
 Targets:
   gemv:NxK[:M]             ops.w4a16_gemv, random NVFP4 weight [N, K], x [M, K] (M = 1 default)
   paged:BxL:NQ/NKV:DTYPE   ops.paged_decode, hd 256, page 16, shuffled blocks, DTYPE bf16 | fp8
+  moe:T[:E/K/H/I]          ops.moe_experts (its 4 launches), random NVFP4 stacks, T tokens routed
+                           top-K of E by random logits through ops.moe_route (default
+                           256/8/2048/512: Qwen3.6-35B-A3B)
 Each target is called once before the window (instantiation, smem opt-in), then once inside it.
 """
 from __future__ import annotations
@@ -41,7 +44,19 @@ def make(spec: str, gen: torch.Generator):
         dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[parts[2]]
         pt = Point(b, length, nq, nkv, dtype, sets=1)
         return lambda: pt.atlas(0)
-    raise SystemExit(f"ncu_targets: unknown target {spec!r} (gemv:NxK[:M] | paged:BxL:NQ/NKV:DTYPE)")
+    if kind == "moe":
+        t = int(parts[0])
+        e, top_k, h, inter = (int(v) for v in parts[1].split("/")) if len(parts) > 1 else (256, 8, 2048, 512)
+        stacks = []   # NVFP4 (packed [E, N, K/2], e4m3 [E, N, K/16], f32 [E]): random codes, finite scales
+        for n, k in ((inter, h), (inter, h), (h, inter)):
+            packed = torch.randint(0, 256, (e, n, k // 2), generator=gen, device="cuda", dtype=torch.uint8)
+            scale = torch.randint(0x20, 0x50, (e, n, k // 16), generator=gen, device="cuda", dtype=torch.uint8)
+            stacks.append((packed, scale.view(torch.float8_e4m3fn), torch.full((e,), 1e-3, device="cuda")))
+        x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
+        logits = torch.randn(t, e, device="cuda", generator=gen)
+        ids, w = ops.moe_route(logits, top_k)
+        return lambda: ops.moe_experts(x, ids, w, *stacks)
+    raise SystemExit(f"ncu_targets: unknown target {spec!r} (gemv:NxK[:M] | paged:BxL:NQ/NKV:DTYPE | moe:T[:E/K/H/I])")
 
 
 def main() -> None:
