@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
     int ctas = 0;
     while (ctas < max_ctas && h[ctas * 16] != 0) ++ctas;
     printf("%-16s %7.2f %6d %8.2f %8.2f %8.2f %6d   (splits %d, warps %d)\n", sh.name, per / 1e6, copies, gemv_us,
-           read_us, per / 4.2e3, ctas, g_last_splits, g_last_warps);
+           read_us, per / 4.2e6, ctas, g_last_splits, g_last_warps);
     if (ctas > 0) report(h, ctas);
     if (sweep) {
       const int segs = w4a16_gemv_k_splits(sh.k);
