@@ -141,8 +141,8 @@ def _chunk_major(t: Tensor, row_bytes_per_chunk: int) -> Tensor:
 #   r2 = ((q & 0x00380038) << 3) + ((q & 0x04000400) << 5)
 #   r3 = ((q & 0x38003800) >> 5) + ((q & 0x40004000) << 1)
 # 6 masks (LOP3, the 16-lane ALU pipe) + 5 shifts/adds that ptxas maps to IMAD on the FMA pipe,
-# where v3's rotations (GEMV_WORD_ROTATIONS below: 5 SHF.W + 6 LOP3, 11 ALU ops) kept the ALU pipe
-# the bottleneck (ncu: math-pipe throttle). No assignment with fewer than 5 shifted pieces
+# where v3's rotations (rotr(q, R) & magnitudes | rotr(q, S) & signs: 5 SHF.W + 6 LOP3 per
+# word) kept the ALU pipe the bottleneck (ncu: math-pipe throttle). No assignment with fewer than 5 shifted pieces
 # exists, nor one with left shifts only (search: bench/NOTES.md, w4a16_gemv v3.4). Register i's
 # 8 bits, in the order (code i bits 0, 1, 2, sign; code i + 4 bits 0, 1, 2, sign), come from the
 # word bits GEMV_WORD_SOURCES[i].
