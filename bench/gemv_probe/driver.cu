@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "../probe_common.cuh"
 #include "w4a16_gemv.h"
 
 namespace atlas {
@@ -26,12 +27,6 @@ void set_probe(unsigned long long* p);
 extern int g_force_splits, g_force_warps, g_last_splits, g_last_warps;
 }  // namespace atlas
 using namespace atlas;
-
-#define CK(x)                                                                                    \
-  do {                                                                                           \
-    cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); exit(1); } \
-  } while (0)
 
 __global__ void fill_bytes(uint8_t* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -46,53 +41,10 @@ __global__ void fill_scales(uint8_t* p, size_t n) {  // e4m3 in [2^-4, 2^3]: fin
 }
 // p: [n16] 16-byte units, 4 loads in flight per thread; out written only on an impossible value.
 __global__ void read_bytes(const uint4* __restrict__ p, size_t n16, float* out) {
-  uint32_t acc = 0;
-  const size_t stride = size_t(gridDim.x) * blockDim.x;
-  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
-  for (; i + 3 * stride < n16; i += 4 * stride) {
-    const uint4 a = __ldcs(p + i), b = __ldcs(p + i + stride), c = __ldcs(p + i + 2 * stride), d = __ldcs(p + i + 3 * stride);
-    acc ^= a.x ^ b.y ^ c.z ^ d.w;
-  }
-  for (; i < n16; i += stride) acc ^= __ldcs(p + i).x;
-  if (acc == 0x12345678u) out[0] = 1.0f;
+  if (read_units(p, n16) == 0x12345678u) out[0] = 1.0f;
 }
 
 struct Shape { const char* name; int n, k; };
-
-template <typename F>
-float graph_us(cudaStream_t s, int reps, F launch_rep) {   // median of 7 replays, µs per call
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int r = 0; r < reps; ++r) launch_rep(r);
-  CK(cudaStreamEndCapture(s, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<float> t;
-  for (int it = 0; it < 7; ++it) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms * 1e3f / reps);
-  }
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  std::sort(t.begin(), t.end());
-  return t[3];
-}
-
-template <typename T>
-T quantile(std::vector<T> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, size_t(q * v.size()))];
-}
 
 // h: [ctas][16] as make_probe.py writes it.
 void report(const std::vector<unsigned long long>& h, int ctas) {

@@ -52,6 +52,7 @@
 #include <string>
 #include <vector>
 
+#include "../probe_common.cuh"
 #include "paged_decode.h"
 
 namespace atlas {   // defined by make_probe.py in the instrumented copy
@@ -62,12 +63,6 @@ extern int g_attn_grid_x, g_attn_grid_y, g_attn_grid_z, g_attn_hd, g_attn_fp8, g
 extern int g_comb_kind, g_comb_ctas, g_comb_threads, g_comb_regs;
 }  // namespace atlas
 using namespace atlas;
-
-#define CK(x)                                                                                    \
-  do {                                                                                           \
-    cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); exit(1); } \
-  } while (0)
 
 constexpr int kHd = 256, kBs = 16;
 constexpr int kAttnWords = 64, kCombWords = 8;   // record sizes (make_probe.py)
@@ -101,16 +96,7 @@ __global__ void fill_scale(float* p, size_t n, uint32_t seed) {
 // k, v: [n16] 16-byte units each (blockIdx.y picks K or V), 4 loads in flight per thread; out
 // written only on an impossible value.
 __global__ void read_kv(const uint4* __restrict__ k, const uint4* __restrict__ v, size_t n16, float* out) {
-  const uint4* p = blockIdx.y == 0 ? k : v;
-  uint32_t acc = 0;
-  const size_t stride = size_t(gridDim.x) * blockDim.x;
-  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
-  for (; i + 3 * stride < n16; i += 4 * stride) {
-    const uint4 a = __ldcs(p + i), b = __ldcs(p + i + stride), c = __ldcs(p + i + 2 * stride), d = __ldcs(p + i + 3 * stride);
-    acc ^= a.x ^ b.y ^ c.z ^ d.w;
-  }
-  for (; i < n16; i += stride) acc ^= __ldcs(p + i).x;
-  if (acc == 0x12345678u) out[0] = 1.0f;
+  if (read_units(blockIdx.y == 0 ? k : v, n16) == 0x12345678u) out[0] = 1.0f;
 }
 // The rows one call reads, through its block table: CTA (block j, kv head, sequence) reads
 // the kBs positions' K and V rows of that kv head (row_bytes each; K and V pools
@@ -138,42 +124,6 @@ __global__ void read_paged(const uint8_t* __restrict__ k, const uint8_t* __restr
   if (acc == 0x12345678u) out[0] = 1.0f;
 }
 
-template <typename F>
-float graph_us(cudaStream_t s, int reps, F launch_rep) {   // median of 7 replays, µs per call
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int r = 0; r < reps; ++r) launch_rep(r);
-  CK(cudaStreamEndCapture(s, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  CK(cudaGraphLaunch(ge, s));   // warm-up replay
-  std::vector<float> t;
-  for (int it = 0; it < 7; ++it) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms * 1e3f / reps);
-  }
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  std::sort(t.begin(), t.end());
-  return t[3];
-}
-
-template <typename T>
-T quantile(std::vector<T> v, double q) {
-  if (v.empty()) return T(0);
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, size_t(q * v.size()))];
-}
 template <typename T>
 void print_pct(const char* name, const std::vector<T>& d) {   // " name p10/p50/p90"
   printf("  %s %lld/%lld/%lld", name, (long long)quantile(d, 0.1), (long long)quantile(d, 0.5), (long long)quantile(d, 0.9));
