@@ -146,8 +146,12 @@ __host__ __device__ inline StageLayout stage_layout(int warps, int mt, bool raw_
 // segments, summed through distributed shared memory in segment order.
 struct SplitPlan {
   int seg_chunks;     // 128-k chunks per segment
-  int segs_per_cta;   // segments one CTA computes (num_segs when splits == 1)
+  int segs_per_cta;   // segments one CTA computes (num_segs when splits == 1); with warp_splits
+                      // > 1, the segments one warp computes (1 or 2)
   int num_segs;       // w4a16_gemv_k_splits(K)
+  int warp_splits = 1;  // one-row kernel only: > 1 = the CTA covers all of K and its warps split
+                        // it (warp_splits warps per 16-row tile, summed in shared memory in
+                        // segment order, like a cluster's ranks: the same bits, no cluster)
 };
 
 // The fused activation of one element in f32 (rounded once to bf16 by the caller), written
@@ -609,8 +613,15 @@ __host__ __device__ inline M1Layout m1_layout(int warps, int chunks) {
 }
 __device__ __forceinline__ int m1_unit_slot(int u) { return 4 * (u & 3) + (u >> 2); }
 
+constexpr int kMaxWarpsM1 = 8;   // warp-split CTAs: 8 warps over one tile's 8 segments
+
+// The K range (in chunks) whose activations one one-row CTA stages.
+__host__ __device__ inline int m1_cta_chunks(const SplitPlan& plan, int num_chunks) {
+  return plan.warp_splits > 1 ? num_chunks : plan.seg_chunks * plan.segs_per_cta;
+}
+
 template <GemvAct kAct>
-__global__ void __launch_bounds__(kMaxWarps * 32)
+__global__ void __launch_bounds__(kMaxWarpsM1 * 32)
 w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
                      int groups0,            // row groups of weight 0 (the rest belong to weight 1)
                      SplitPlan plan) {       // segments of K over the CTAs (blockIdx.x)
@@ -624,14 +635,20 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   const W4A16GemvWeight& wt = args.w[wi];
   const int group = blockIdx.y - (wi ? groups0 : 0);
   const int K = args.k, n_rows = wt.n;
-  const int row0 = group * warps * kTileN;
+  // Warp split (plan.warp_splits = S > 1): warp w computes tile w / S over segments
+  // [(w % S)·spc, (w % S + 1)·spc) (spc = plan.segs_per_cta); the CTA stages all of K.
+  const int wsplits = plan.warp_splits, tiles_per_cta = warps / wsplits;
+  const int row0 = group * tiles_per_cta * kTileN;
   const int num_chunks = K / kChunkK;
-  const int chunks_per_cta = plan.seg_chunks * plan.segs_per_cta;
-  const int c_begin = min(split * chunks_per_cta, num_chunks);
-  const int chunks = min(c_begin + chunks_per_cta, num_chunks) - c_begin;
+  const int chunks_per_cta = m1_cta_chunks(plan, num_chunks);
+  const int c_begin = wsplits > 1 ? 0 : min(split * chunks_per_cta, num_chunks);   // the CTA's range
+  const int cta_chunks = min(c_begin + chunks_per_cta, num_chunks) - c_begin;
+  const int warp_span = plan.seg_chunks * plan.segs_per_cta;
+  const int wc_begin = wsplits > 1 ? min((warp % wsplits) * warp_span, num_chunks) : c_begin;   // the warp's
+  const int chunks = wsplits > 1 ? min(wc_begin + warp_span, num_chunks) - wc_begin : cta_chunks;
   const M1Layout lay = m1_layout(warps, chunks_per_cta);
   const uint32_t smem_base = smem_u32(smem);
-  const int tile_row0 = row0 + warp * kTileN;
+  const int tile_row0 = row0 + (warp / wsplits) * kTileN;
   const bool warp_has_rows = tile_row0 < n_rows;
 
   // The warp's copy plan: pieces p = lane, lane + 32 of its tile's 16 rows × 4 (row p / 4,
@@ -645,7 +662,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     const int p = lane + 32 * j, n = min(tile_row0 + (p >> 2), n_rows - 1);
     int64_t off = 0;
     int step = 0;
-    row_plan(wt, K, c_begin, n, kRowBytes, off, step);
+    row_plan(wt, K, wc_begin, n, kRowBytes, off, step);
     w_src[j] = wt.packed + off + (p & 3) * 16;
     w_step = step;
   }
@@ -655,7 +672,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   {
     int64_t off = 0;
     int step = 0;
-    row_plan(wt, K, c_begin, min(tile_row0 + lane % kTileN, n_rows - 1), kScaleBytes, off, step);
+    row_plan(wt, K, wc_begin, min(tile_row0 + lane % kTileN, n_rows - 1), kScaleBytes, off, step);
     s_src = wt.block_scale + off;
     s_step = step;
   }
@@ -690,7 +707,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
                                                           static_cast<int64_t>(c_begin) * kChunkK)
                          : nullptr;
   constexpr int kUnitBatch = 4;
-  const int units = chunks * kXUnits;                           // unit i: chunk i / 16, unit i % 16
+  const int units = cta_chunks * kXUnits;                       // unit i: chunk i / 16, unit i % 16
   for (int i0 = tid; i0 < units; i0 += kUnitBatch * nthreads) {
     uint4 a[kUnitBatch], b[kUnitBatch];
 #pragma unroll
@@ -732,7 +749,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   SegmentSums<1> sums;
   auto run = [&](auto tiled_bits) {
     constexpr bool kTiledBits = decltype(tiled_bits)::value;
-    const uint8_t* xs = smem + lay.x_off + t * 16;             // + chunk · 256 + word · 64
+    const uint8_t* xs = smem + lay.x_off + (wc_begin - c_begin) * kXRowBytes + t * 16;   // + chunk · 256 + word · 64
     const uint32_t lane_w = g * kRowBytes + t * 16;            // inside a stage
     const uint32_t lane_s = kTileN * kRowBytes + g * kScaleBytes + 2 * t;
     const uint8_t* ring_ptr = smem + (ring - smem_base);
@@ -750,7 +767,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
         fill = cur;
         cur = cur + kWarpStageBytes == ring_end ? ring : cur + kWarpStageBytes;
       }
-      sums.finish_segment(splits, plan);
+      sums.finish_segment(wsplits > 1 ? wsplits : splits, plan);
       if (cc == chunks) break;
     }
   };
@@ -759,7 +776,37 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     else run(std::false_type{});
   }
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  store_rows<1>(args, wt, plan, sums, row0, smem);
+  if (wsplits == 1) {
+    store_rows<1>(args, wt, plan, sums, row0, smem);
+    return;
+  }
+  // Warp split: each warp's segment partials of output column 0 (lanes t = 0 hold rows g, g + 8)
+  // → shared [warp][2][16] f32, then row r of the CTA = 0 + the partials of its tile's warps in
+  // segment order (store_rows' cluster order: the same bits as every other split).
+  const float factor = __ldg(wt.global_scale) * kOutBias;
+  const bool two = plan.segs_per_cta == 2;
+  cp_async_wait<0>();
+  __syncthreads();                       // every warp is done with its ring
+  float* part = reinterpret_cast<float*>(smem);
+  if (t == 0) {
+    float* pw = part + warp * 2 * kTileN;
+    pw[g] = two ? sums.done[0][0] : sums.acc[0][0];
+    pw[g + 8] = two ? sums.done[0][2] : sums.acc[0][2];
+    pw[kTileN + g] = two ? sums.acc[0][0] : 0.0f;
+    pw[kTileN + g + 8] = two ? sums.acc[0][2] : 0.0f;
+  }
+  __syncthreads();
+  for (int r = tid; r < tiles_per_cta * kTileN; r += nthreads) {
+    const int n = row0 + r;
+    if (n >= n_rows) continue;
+    const float* pt = part + (r / kTileN) * wsplits * 2 * kTileN + r % kTileN;
+    float acc = 0.0f;
+    for (int q = 0; q < wsplits; ++q) {
+      acc += pt[q * 2 * kTileN];
+      if (two) acc += pt[q * 2 * kTileN + kTileN];
+    }
+    store_out(wt, args.out_dtype, 0, n, acc * factor);
+  }
 }
 
 // Split-K partials in shared memory (store_rows) for a launch of `splits` CTAs per row group.
@@ -820,9 +867,10 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
 // The one-row kernel's shared memory (0: it does not apply — M > 1, the generic path, or a
 // K range too long to hold; those take w4a16_gemv_kernel).
 constexpr int kM1MaxSmem = 160 * 1024;
+constexpr int kWarpSplitActBytes = 16 * 1024;   // K ≤ 8192: warp split instead of a cluster
 int m1_smem(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, const SplitPlan& plan) {
   if (a.m != 1 || !vec) return 0;
-  const int bytes = std::max(m1_layout(warps, plan.seg_chunks * plan.segs_per_cta).bytes,
+  const int bytes = std::max(m1_layout(warps, m1_cta_chunks(plan, a.k / kChunkK)).bytes,
                              partial_bytes(grid, plan, warps, 1));
   return bytes <= kM1MaxSmem ? bytes : 0;
 }
@@ -841,6 +889,7 @@ cudaError_t launch_act(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, i
     const int smem = m1_smem(a, vec, grid, warps, plan);
     if (smem > 0) return launch_m1<kAct>(a, grid, warps, groups0, plan, smem, stream);
   }
+  if (plan.warp_splits > 1) return cudaErrorInvalidValue;   // only the one-row kernel splits warps
   return vec ? launch_instance<MT, true, kAct>(a, grid, warps, groups0, plan, stream)
              : launch_instance<MT, false, kAct>(a, grid, warps, groups0, plan, stream);
 }
@@ -939,6 +988,7 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   // 144-CTA wave) — and ≤ 7% behind on the other two (27B o, q+gate+k+v). Plain activations
   // only: the silu / gated prologue (expf and a division per element) wants the shorter K
   // ranges of the rule above (v3.4 run: gated 27B o_proj 12.7 µs with this rule, 11.2 in v3.1).
+  int warp_splits = 1;
   if (a.m == 1 && vec && a.act == GemvAct::kPlain) {
     warps = kMaxWarps;
     while (warps > 1 && warps / 2 >= tiles) warps /= 2;
@@ -946,10 +996,25 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     for (const int s : {1, segs / 2}) {
       if (s >= 1 && s < splits && ceil_div(tiles, warps) * s >= sms) { splits = s; break; }
     }
+    // K split S ways: inside the CTA (S warps per tile, max(1, 4 / S) tiles per CTA, shared-memory
+    // sum) instead of a cluster of S CTAs, when K ≤ 8192 (the CTA then stages all of K: ≤ 16 KB,
+    // ≤ 2 rounds of prologue loads). The probe (v3.5) measured the cluster's sync + DSMEM
+    // reduction at 1.6–2 µs of a 3 µs small-shape GEMV, and clusters of 4 or 8 leave 8 SMs idle.
+    const int ws_warps = std::max(1, kMaxWarps / splits) * splits;
+    if (splits > 1 && chunks * kXRowBytes <= kWarpSplitActBytes) {
+      warp_splits = splits;
+      warps = ws_warps;
+      splits = 1;
+    }
   }
-  const SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};
-  const int groups0 = ceil_div(a.w[0].n, warps * kTileN);
-  const int groups = groups0 + (a.num_weights == 2 ? ceil_div(a.w[1].n, warps * kTileN) : 0);
+  SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};
+  if (warp_splits > 1) {
+    plan.segs_per_cta = segs / warp_splits;
+    plan.warp_splits = warp_splits;
+  }
+  const int cta_rows = warps / warp_splits * kTileN;
+  const int groups0 = ceil_div(a.w[0].n, cta_rows);
+  const int groups = groups0 + (a.num_weights == 2 ? ceil_div(a.w[1].n, cta_rows) : 0);
   if (groups > 65535) return cudaErrorInvalidValue;
   const dim3 grid(splits, groups);
 

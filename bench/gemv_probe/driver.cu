@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(h.data(), probe_buf, h.size() * 8, cudaMemcpyDeviceToHost));
     int ctas = 0;
     while (ctas < max_ctas && h[ctas * 16] != 0) ++ctas;
-    printf("%-16s %7.2f %6d %8.2f %8.2f %8.2f %6d   (splits %d, warps %d)\n", sh.name, per / 1e6, copies, gemv_us,
+    printf("%-16s %7.2f %6d %8.2f %8.2f %8.2f %6d   (splits %d [< 0: over warps], warps %d)\n", sh.name, per / 1e6, copies, gemv_us,
            read_us, per / 4.2e6, ctas, g_last_splits, g_last_warps);
     if (ctas > 0) report(h, ctas);
     if (sweep) {

@@ -58,14 +58,19 @@ rep("        mma_chunk<1, kTiledBits>(sums.acc, st + lane_w, st + lane_s, xfrag)
 #else
         mma_chunk<1, kTiledBits>(sums.acc, st + lane_w, st + lane_s, xfrag);
 #endif""")
-rep('  asm volatile("griddepcontrol.launch_dependents;\\n" ::: "memory");\n  store_rows<1>(args, wt, plan, sums, row0, smem);\n',
-    '  probe(5);\n  asm volatile("griddepcontrol.launch_dependents;\\n" ::: "memory");\n'
-    '  store_rows<1>(args, wt, plan, sums, row0, smem);\n  probe(6);\n')
+rep('  asm volatile("griddepcontrol.launch_dependents;\\n" ::: "memory");\n  if (wsplits == 1) {\n'
+    '    store_rows<1>(args, wt, plan, sums, row0, smem);\n    return;\n',
+    '  probe(5);\n  asm volatile("griddepcontrol.launch_dependents;\\n" ::: "memory");\n  if (wsplits == 1) {\n'
+    '    store_rows<1>(args, wt, plan, sums, row0, smem);\n    probe(6);\n    return;\n')
+rep("    store_out(wt, args.out_dtype, 0, n, acc * factor);\n  }\n}\n",
+    "    store_out(wt, args.out_dtype, 0, n, acc * factor);\n  }\n  probe(6);\n}\n")
 # launcher overrides (applied after every rule, so a sweep sees exactly what it forces)
-rep("  const SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};",
-    "  if (g_force_splits > 0) splits = g_force_splits;\n  if (g_force_warps > 0) warps = g_force_warps;\n"
-    "  g_last_splits = splits;\n  g_last_warps = warps;\n"
-    "  const SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};")
+rep("  SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};",
+    "  if (g_force_splits > 0) { splits = g_force_splits; warp_splits = 1; }\n"
+    "  if (g_force_warps > 0) { warps = g_force_warps; warp_splits = 1; }\n"
+    "  g_last_splits = warp_splits > 1 ? -warp_splits : splits;   // negative: split over warps\n"
+    "  g_last_warps = warps;\n"
+    "  SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};")
 rep("int w4a16_gemv_k_splits(int k) {",
     "int g_force_splits = 0, g_force_warps = 0, g_last_splits = 0, g_last_warps = 0;\nint w4a16_gemv_k_splits(int k) {")
 rep("}  // namespace atlas\n",
