@@ -621,7 +621,7 @@ __host__ __device__ inline int m1_cta_chunks(const SplitPlan& plan, int num_chun
 }
 
 template <GemvAct kAct>
-__global__ void __launch_bounds__(kMaxWarpsM1 * 32)
+__global__ void __launch_bounds__((kAct == GemvAct::kPlain ? kMaxWarpsM1 : kMaxWarps) * 32)
 w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
                      int groups0,            // row groups of weight 0 (the rest belong to weight 1)
                      SplitPlan plan) {       // segments of K over the CTAs (blockIdx.x)
@@ -637,10 +637,10 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int K = args.k, n_rows = wt.n;
   // Warp split (plan.warp_splits = S > 1): warp w computes tile w / S over segments
   // [(w % S)·spc, (w % S + 1)·spc) (spc = plan.segs_per_cta); the CTA stages all of K.
-  const int wsplits = plan.warp_splits, tiles_per_cta = warps / wsplits;
+  const int wsplits = kRaw ? 1 : plan.warp_splits, tiles_per_cta = warps / wsplits;   // silu / gated: never
   const int row0 = group * tiles_per_cta * kTileN;
   const int num_chunks = K / kChunkK;
-  const int chunks_per_cta = m1_cta_chunks(plan, num_chunks);
+  const int chunks_per_cta = wsplits > 1 ? num_chunks : plan.seg_chunks * plan.segs_per_cta;   // m1_cta_chunks
   const int c_begin = wsplits > 1 ? 0 : min(split * chunks_per_cta, num_chunks);   // the CTA's range
   const int cta_chunks = min(c_begin + chunks_per_cta, num_chunks) - c_begin;
   const int warp_span = plan.seg_chunks * plan.segs_per_cta;
@@ -780,32 +780,34 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     store_rows<1>(args, wt, plan, sums, row0, smem);
     return;
   }
-  // Warp split: each warp's segment partials of output column 0 (lanes t = 0 hold rows g, g + 8)
-  // → shared [warp][2][16] f32, then row r of the CTA = 0 + the partials of its tile's warps in
-  // segment order (store_rows' cluster order: the same bits as every other split).
-  const float factor = __ldg(wt.global_scale) * kOutBias;
-  const bool two = plan.segs_per_cta == 2;
-  cp_async_wait<0>();
-  __syncthreads();                       // every warp is done with its ring
-  float* part = reinterpret_cast<float*>(smem);
-  if (t == 0) {
-    float* pw = part + warp * 2 * kTileN;
-    pw[g] = two ? sums.done[0][0] : sums.acc[0][0];
-    pw[g + 8] = two ? sums.done[0][2] : sums.acc[0][2];
-    pw[kTileN + g] = two ? sums.acc[0][0] : 0.0f;
-    pw[kTileN + g + 8] = two ? sums.acc[0][2] : 0.0f;
-  }
-  __syncthreads();
-  for (int r = tid; r < tiles_per_cta * kTileN; r += nthreads) {
-    const int n = row0 + r;
-    if (n >= n_rows) continue;
-    const float* pt = part + (r / kTileN) * wsplits * 2 * kTileN + r % kTileN;
-    float acc = 0.0f;
-    for (int q = 0; q < wsplits; ++q) {
-      acc += pt[q * 2 * kTileN];
-      if (two) acc += pt[q * 2 * kTileN + kTileN];
+  if constexpr (!kRaw) {   // silu / gated never split over warps (launch_w4a16_gemv): no epilogue
+    // Warp split: each warp's segment partials of output column 0 (lanes t = 0 hold rows g, g + 8)
+    // → shared [warp][2][16] f32, then row r of the CTA = 0 + the partials of its tile's warps in
+    // segment order (store_rows' cluster order: the same bits as every other split).
+    const float factor = __ldg(wt.global_scale) * kOutBias;
+    const bool two = plan.segs_per_cta == 2;
+    cp_async_wait<0>();
+    __syncthreads();                       // every warp is done with its ring
+    float* part = reinterpret_cast<float*>(smem);
+    if (t == 0) {
+      float* pw = part + warp * 2 * kTileN;
+      pw[g] = two ? sums.done[0][0] : sums.acc[0][0];
+      pw[g + 8] = two ? sums.done[0][2] : sums.acc[0][2];
+      pw[kTileN + g] = two ? sums.acc[0][0] : 0.0f;
+      pw[kTileN + g + 8] = two ? sums.acc[0][2] : 0.0f;
     }
-    store_out(wt, args.out_dtype, 0, n, acc * factor);
+    __syncthreads();
+    for (int r = tid; r < tiles_per_cta * kTileN; r += nthreads) {
+      const int n = row0 + r;
+      if (n >= n_rows) continue;
+      const float* pt = part + (r / kTileN) * wsplits * 2 * kTileN + r % kTileN;
+      float acc = 0.0f;
+      for (int q = 0; q < wsplits; ++q) {
+        acc += pt[q * 2 * kTileN];
+        if (two) acc += pt[q * 2 * kTileN + kTileN];
+      }
+      store_out(wt, args.out_dtype, 0, n, acc * factor);
+    }
   }
 }
 

@@ -62,8 +62,8 @@ rep('  asm volatile("griddepcontrol.launch_dependents;\\n" ::: "memory");\n  if 
     '    store_rows<1>(args, wt, plan, sums, row0, smem);\n    return;\n',
     '  probe(5);\n  asm volatile("griddepcontrol.launch_dependents;\\n" ::: "memory");\n  if (wsplits == 1) {\n'
     '    store_rows<1>(args, wt, plan, sums, row0, smem);\n    probe(6);\n    return;\n')
-rep("    store_out(wt, args.out_dtype, 0, n, acc * factor);\n  }\n}\n",
-    "    store_out(wt, args.out_dtype, 0, n, acc * factor);\n  }\n  probe(6);\n}\n")
+rep("      store_out(wt, args.out_dtype, 0, n, acc * factor);\n    }\n  }\n}\n",
+    "      store_out(wt, args.out_dtype, 0, n, acc * factor);\n    }\n  }\n  probe(6);\n}\n")
 # launcher overrides (applied after every rule, so a sweep sees exactly what it forces)
 rep("  SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};",
     "  if (g_force_splits > 0) { splits = g_force_splits; warp_splits = 1; }\n"
