@@ -10,7 +10,8 @@
 // CTA counts with their last end time, and the phase split in SM cycles (p10/p50/p90):
 //   issue (weight prologue), pdlwait, acts (activation prologue), chunk0 (first chunk landed),
 //   loop (main loop), store (split-K reduction + stores).
-// `sweep`: the same timing for every (splits, warps) the launcher could pick.
+// `sweep`: the same timing for every (splits, warps) the launcher could pick, and (M = 1) for
+// K split over the warps of one CTA (ws S: S warps per tile).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,7 +25,7 @@
 
 namespace atlas {
 void set_probe(unsigned long long* p);
-extern int g_force_splits, g_force_warps, g_last_splits, g_last_warps;
+extern int g_force_splits, g_force_warps, g_force_wsplits, g_last_splits, g_last_warps;
 }  // namespace atlas
 using namespace atlas;
 
@@ -155,6 +156,14 @@ int main(int argc, char** argv) {
         }
       }
       g_force_splits = g_force_warps = 0;
+      if (M == 1) {   // K split over the warps of one CTA (S warps per tile, spc = segs / S ∈ {1, 2})
+        for (const int ws : {segs / 2, segs}) {
+          if (ws < 2) continue;
+          g_force_wsplits = ws;
+          printf("  ws%d %.2f", ws, gemv());
+        }
+        g_force_wsplits = 0;
+      }
       printf("\n");
     }
     CK(cudaFree(probe_buf));

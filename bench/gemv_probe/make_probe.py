@@ -68,11 +68,15 @@ rep("      store_out(wt, args.out_dtype, 0, n, acc * factor);\n    }\n  }\n}\n",
 rep("  SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};",
     "  if (g_force_splits > 0) { splits = g_force_splits; warp_splits = 1; }\n"
     "  if (g_force_warps > 0) { warps = g_force_warps; warp_splits = 1; }\n"
+    "  if (g_force_wsplits > 0) {\n"
+    "    warp_splits = g_force_wsplits; splits = 1; warps = std::max(1, kMaxWarps / warp_splits) * warp_splits;\n"
+    "  }\n"
     "  g_last_splits = warp_splits > 1 ? -warp_splits : splits;   // negative: split over warps\n"
     "  g_last_warps = warps;\n"
     "  SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};")
 rep("int w4a16_gemv_k_splits(int k) {",
-    "int g_force_splits = 0, g_force_warps = 0, g_last_splits = 0, g_last_warps = 0;\nint w4a16_gemv_k_splits(int k) {")
+    "int g_force_splits = 0, g_force_warps = 0, g_force_wsplits = 0, g_last_splits = 0, g_last_warps = 0;\n"
+    "int w4a16_gemv_k_splits(int k) {")
 rep("}  // namespace atlas\n",
     "void set_probe(unsigned long long* p) { cudaMemcpyToSymbol(g_probe, &p, sizeof(p)); }\n}  // namespace atlas\n")
 open(sys.argv[2], "w").write(src)
