@@ -869,7 +869,8 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
 // The one-row kernel's shared memory (0: it does not apply — M > 1, the generic path, or a
 // K range too long to hold; those take w4a16_gemv_kernel).
 constexpr int kM1MaxSmem = 160 * 1024;
-constexpr int kWarpSplitActBytes = 16 * 1024;   // K ≤ 8192: warp split instead of a cluster
+constexpr int kWarpSplitActBytes = 40 * 1024;   // K ≤ 20480: warp split instead of a cluster
+constexpr int kWarpSplitMaxTilesPerSm = 24;     // one split, but a few long CTAs per SM: warp split
 int m1_smem(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, const SplitPlan& plan) {
   if (a.m != 1 || !vec) return 0;
   const int bytes = std::max(m1_layout(warps, m1_cta_chunks(plan, a.k / kChunkK)).bytes,
@@ -998,14 +999,23 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     for (const int s : {1, segs / 2}) {
       if (s >= 1 && s < splits && ceil_div(tiles, warps) * s >= sms) { splits = s; break; }
     }
-    // K split S ways: inside the CTA (S warps per tile, max(1, 4 / S) tiles per CTA, shared-memory
-    // sum) instead of a cluster of S CTAs, when K ≤ 8192 (the CTA then stages all of K: ≤ 16 KB,
-    // ≤ 2 rounds of prologue loads). The probe (v3.5) measured the cluster's sync + DSMEM
-    // reduction at 1.6–2 µs of a 3 µs small-shape GEMV, and clusters of 4 or 8 leave 8 SMs idle.
-    const int ws_warps = std::max(1, kMaxWarps / splits) * splits;
-    if (splits > 1 && chunks * kXRowBytes <= kWarpSplitActBytes) {
-      warp_splits = splits;
-      warps = ws_warps;
+    // K split S ways inside the CTA (S warps per tile, max(1, 4 / S) tiles per CTA, shared-memory
+    // sum in segment order: the same bits as a cluster's ranks) whenever the CTA can stage all of
+    // K (≤ 40 KB: K ≤ 20480, every projection of the models here):
+    //  - instead of a cluster of S CTAs when one split leaves SMs idle. The probe (v3.5) measured
+    //    the cluster's sync + DSMEM reduction at 1.6–2 µs of a 3 µs small-shape GEMV, and
+    //    clusters of 4 or 8 leave 8 SMs idle;
+    //  - S = segs / 2 over one-tile CTAs when one split already fills the SMs but the grid is a
+    //    few long CTAs per SM (≤ 24 tiles per SM): 4× the CTAs, each a quarter as long, so the
+    //    hardware balances the tail. The v3.6 probe sweep on the H200: 27B q+gate+k+v 18.7 µs vs
+    //    20.1 with one split, 35B q+gate+k+v 8.0 vs 9.0, 27B down 21.7 vs 25.6 (4-CTA clusters),
+    //    gate_up even (34.6 vs 34.9); the LM heads (117 tiles per SM) lose 11–28% (each CTA
+    //    stages all of K for one tile), so they keep one split.
+    const bool stage_all_k = chunks * kXRowBytes <= kWarpSplitActBytes;
+    const int ws = splits > 1 ? splits : (tiles <= kWarpSplitMaxTilesPerSm * sms ? segs / 2 : 1);
+    if (stage_all_k && ws > 1) {
+      warp_splits = ws;
+      warps = std::max(1, kMaxWarps / ws) * ws;
       splits = 1;
     }
   }

@@ -276,7 +276,7 @@ def test_gemv_extreme_scales(global_scale):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("n,k", [(5120, 6144), (512, 2048), (2048, 512), (33, 4112), (248077, 256),
-                                 (1024, 1152), (2048, 2944)])
+                                 (1024, 1152), (2048, 2944), (5120, 17408)])
 def test_batch_invariance(n, k):
     """Row i of an M-row call is bitwise the 1-row result, for every M in 1..32."""
     q, x = _cuda_case(n, k, 32, key="inv")
@@ -300,17 +300,21 @@ def test_n_rows_prefix(n, k, n_rows, m):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("k", [5120, 1024, 4112, 640, 1152, 2176, 8192, 8320])
+@pytest.mark.parametrize("k", [5120, 1024, 4112, 640, 1152, 2176, 8192, 8320, 20480, 20608])
 @pytest.mark.parametrize("m", [1, 9, 32])
 def test_split_policy_bitwise(k, m):
     """The launcher picks the split of K from N (one CTA per row group over all of K for a large
-    N, 2 segments per CTA, or one — at M = 1 over the warps of one CTA for K ≤ 8192, a cluster
-    above); row prefixes of one weight that land on each choice (on the H200: 25600 rows → 1
-    split, 6400 → 2 segments per CTA at K = 5120, 640 → one) agree bitwise. K = 640, 1152, 2176
-    leave the last segment short or empty."""
-    q, x = _cuda_case(25600, k, m, key="splits")
+    N, 2 segments per CTA, or one; at M = 1 over the warps of one CTA when the CTA can stage all
+    of K (K ≤ 20480), over a cluster above); row prefixes of one weight that land on each choice
+    agree bitwise. K = 640, 1152, 2176 leave the last segment short or empty; 20480 / 20608 are
+    both sides of the warp-split limit. The one-split M = 1 plan (> 24 tiles per SM) is the LM
+    head shapes' (LM_HEADS)."""
+    n = 25600 if k <= 8320 else 3200
+    q, x = _cuda_case(n, k, m, key="splits")
     full = ops.w4a16_gemv(x, q, out_dtype=torch.float32)
     for n_rows in (6400, 640, 17):
+        if n_rows >= n:
+            continue
         out = poison_(torch.empty(m, n_rows, dtype=torch.float32, device="cuda"))
         y = ops.w4a16_gemv(x, q, out_dtype=torch.float32, n_rows=n_rows, out=out)
         assert torch.equal(y, full[:, :n_rows]), f"n_rows={n_rows}"
