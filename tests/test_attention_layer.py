@@ -202,9 +202,11 @@ def test_cuda_matches_hf(model, schedule, dialect, kv_dtype):
 @pytest.mark.parametrize("schedule", [[{"a": 10}, {"a": 1}], [{"a": 5, "b": 3}, {"a": 4, "b": 4}],
                                       [{"a": 70}, {"a": 1, "b": 40}]])      # 70, 41 rows: 32-row GEMV chunks
 def test_cuda_gated_o_proj_bitwise_vs_unfused(monkeypatch, model, schedule):
-    """GEMV steps of a gated layer apply the output gate on o_proj's load (w4a16_gemv_gated on the
-    G half of the de-interleaved q_proj output): bitwise the unfused sigmoid_gate_mul +
-    w4a16_gemv, decode, verify and ≤ 128-row prefill steps; and within the bound of HF."""
+    """GEMV steps of a gated layer, with the output gate on o_proj's load where _fuse_gate picks
+    it (w4a16_gemv_gated on the G half of the de-interleaved q_proj output), are bitwise the
+    unfused sigmoid_gate_mul + w4a16_gemv for decode, verify and ≤ 128-row prefill steps; and
+    within the bound of HF. (With FUSE_GATE_MAX_K = 0 both runs take the unfused path; the op's
+    own bitwise test is test_w4a16_gemv's.)"""
     from atlas import linear, ops
     cfg = real_config(model)
     g = _gen("gated_bitwise", model, repr(schedule))
@@ -282,8 +284,8 @@ def test_cuda_graph_decode_equals_eager(query_len, kv_dtype):
 def test_decode_projection_launches(monkeypatch, model, dialect, launches, rows):
     """A decode step reads q_proj, k_proj and v_proj in one GEMV launch when K and V share a
     global scale (else q+k and v), and o_proj in one more, with the output gate applied on its
-    load where that measured faster (gated models, 1-row steps with o_proj K ≤ 4096: no
-    sigmoid_gate_mul launch; else sigmoid_gate_mul + the plain GEMV). The stand-ins run the
+    load where that measured faster (gated models, 1-row steps with o_proj K ≤
+    FUSE_GATE_MAX_K: no sigmoid_gate_mul launch; else sigmoid_gate_mul + the plain GEMV). The stand-ins run the
     reference, so the output is also checked against the unpatched layer's."""
     from atlas import ops, reference as ref
     calls = {"dual": 0, "gemv": 0, "gated": 0, "sigmoid_gate_mul": 0}

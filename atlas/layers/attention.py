@@ -23,10 +23,11 @@ per 32 rows, see atlas.linear), all graph-capturable:
     2. qk_norm_rope     q/k norms + RoPE + K/V cache write, one bf16 rounding (csrc/qk_norm_rope.cu)
     3. paged_decode     per run of consecutive sequences with the same query_len ≤ 8 (+ its
                         split-K combine)
-    4. w4a16_gemv_gated o_proj of bf16(o · sigmoid(G)), the gate applied as o is loaded (gated,
-                        1-row steps with o_proj K ≤ 4096, where it measured faster; bitwise
-                        sigmoid_gate_mul + w4a16_gemv, one launch fewer; else those two), or
-       w4a16_gemv       o_proj (plain Qwen3)
+    4. sigmoid_gate_mul bf16(o · sigmoid(G)) (gated), then
+       w4a16_gemv       o_proj. w4a16_gemv_gated (the gate applied as o is loaded; bitwise the
+                        two, one launch fewer) takes 1-row steps with o_proj K ≤
+                        FUSE_GATE_MAX_K: none since gemv v3.6 made the plain GEMV faster.
+                        Plain Qwen3: o_proj alone.
 Prefill chunks (query_len > 8) run the projections like any other rows (GEMV chunks up to 128
 rows in the step, beyond that GEMMs: cuBLAS over the on-the-fly BF16 dequantization, see
 atlas.linear; there, and for BF16 / FP8 weights, the gated q_proj output stays per head
@@ -217,15 +218,19 @@ class Qwen3AttentionLayer:
             gate = gate.view(t, self.nq, self.hd)
         return self.o_proj(ops.sigmoid_gate_mul(o, gate).view(t, self.nq * self.hd))   # gate [T, nq, hd]
 
+    # o_proj K = nq·hd up to which a 1-row step fuses the gate into o_proj: none at gemv v3.6.
+    # Measured on the H200 (bench/results/gemv_variants.md): 35B-A3B 2048×4096 fused 6.58 vs
+    # 5.84 µs for sigmoid_gate_mul + the plain GEMV, 27B 5120×6144 12.4 vs 10.8 — the plain
+    # one-row GEMV splits K over the warps of one CTA (v3.6), the gated one keeps the cluster rule
+    # (its expf prologue wants short K ranges). v3.4 had 2048×4096 fused 6.67 vs 7.19.
+    FUSE_GATE_MAX_K = 0
+
     def _fuse_gate(self, t: int) -> bool:
         """Whether o_proj takes the gate on its load (w4a16_gemv_gated) for a T-row GEMV step:
-        at T = 1 with o_proj K = nq·hd ≤ 4096. Measured on the H200 (bench/results/
-        gemv_variants.md, gemv v3.4): 35B-A3B 2048×4096 fused 6.67 vs 7.19 µs for
-        sigmoid_gate_mul + the plain GEMV; 27B 5120×6144 fused 12.2 vs 11.1 — the plain one-row
-        GEMV now streams faster than the gated prologue (expf per element over the CTA's K range)
-        saves. At T = 8 the fused form loses everywhere (13.0 vs 7.9 at 2048×4096): the M > 1
-        kernel recomputes the sigmoid of every chunk in every CTA."""
-        return t == 1 and self.nq * self.hd <= 4096
+        at T = 1 with o_proj K ≤ FUSE_GATE_MAX_K. At T = 8 the fused form loses everywhere
+        (13.1 vs 7.95 µs at 2048×4096): the M > 1 kernel recomputes the sigmoid of every chunk in
+        every CTA."""
+        return t == 1 and self.nq * self.hd <= self.FUSE_GATE_MAX_K
 
     def write_kv(self, hidden: Tensor, meta: AttentionMetadata, cache: PagedKvCache, layer: int = 0) -> None:
         """The K/V half of __call__: writes the rows' normed, rotated K and V into the cache,
