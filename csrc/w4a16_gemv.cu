@@ -113,6 +113,11 @@ constexpr int kStages = 4;                   // cp.async pipeline depth. 4, not 
                                              // CTA (≈ 110 KB per SM) still cover DRAM latency.
 static_assert(kStages >= 3, "activations are converted one stage ahead of the one computed");
 constexpr int kMaxWarps = 4;
+// M > 16 (MT ≥ 3): up to 8 warps per CTA. Each CTA stages all M activation rows of every chunk
+// (M = 32: 8 KB per chunk beside 4 × 1152 B of weights at 4 warps), so at 4 warps the stage's
+// activation copies and their in-place permutation (≈ 24 KB of shared-memory traffic per chunk)
+// outweigh the weights; 8 warps share them (v3.8).
+constexpr int kMaxWarpsWide = 8;
 constexpr int kMaxSplits = 8;              // cluster size limit (portable)
 constexpr int kMaxDevices = 64;             // per-device launch attribute bookkeeping
 
@@ -352,7 +357,7 @@ __device__ __forceinline__ void store_rows(const W4A16GemvArgs& args, const W4A1
 // 16-byte weight pieces, one 8-byte scale piece, pointers advanced by a constant per chunk),
 // keeps the lane's fragment offsets in registers, and walks the stage ring by byte offset.
 template <int MT, bool kVec, GemvAct kAct>
-__global__ void __launch_bounds__(kMaxWarps * 32)
+__global__ void __launch_bounds__((MT >= 3 ? kMaxWarpsWide : kMaxWarps) * 32)
 w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
                   int groups0,            // row groups of weight 0 (the rest belong to weight 1)
                   SplitPlan plan) {       // segments of K over the CTAs (blockIdx.x)
@@ -971,12 +976,13 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   for (const int s : {1, segs / 2}) {
     if (s >= 1 && s < splits && ceil_div(tiles, kMaxWarps) * s >= 3 * sms) { splits = s; break; }
   }
-  int warps = kMaxWarps;
+  int warps = a.m > 16 ? kMaxWarpsWide : kMaxWarps;
   while (warps > 1 && ceil_div(tiles, warps) * splits < 2 * sms) warps /= 2;
   // Balance (M ≤ 8): a grid of a few long CTAs per SM ends with the SM holding the most, so of
   // W = 4 and 2 take the one whose CTAs per SM fall closest below a whole number (gate_up
   // 34816×5120, one split: 544 four-warp CTAs = 4.12 per SM → 0.82 of the SMs' time used,
-  // 1088 two-warp CTAs = 8.24 → 0.92). M > 8 keeps W = 4: each CTA re-reads the activations.
+  // 1088 two-warp CTAs = 8.24 → 0.92). M > 8 keeps W = 4 (M > 16: 8, kMaxWarpsWide): each CTA
+  // re-reads the activations.
   if (warps == kMaxWarps && a.m <= 8) {
     auto used = [&](int w) {
       const double per_sm = double(ceil_div(tiles, w) * splits) / sms;
