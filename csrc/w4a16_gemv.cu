@@ -60,7 +60,11 @@
 //         tiled layout's words carry their bits pre-placed (nvfp4.GEMV_WORD_PIECES,
 //         dequant_word_tiled, v3.4: 6 masks on the ALU pipe + 5 shifts on the FMA pipe per word
 //         instead of 15 shift/mask instructions). Same mma sequence and sums as every M, so the
-//         rows stay batch invariant.
+//         rows stay batch invariant. v3.6: K split over the warps of one CTA (S warps per
+//         tile, partials summed in shared memory in segment order: a cluster's bits) wherever
+//         the CTA can stage all of K — instead of clusters, and for mid shapes with few long
+//         CTAs per SM (launch_w4a16_gemv).
+//   M > 16 (v3.8): up to 8 warps per CTA, so the per-chunk activation staging serves 128 rows.
 //   tails: rows ≥ n (the one-row kernel: they read row n − 1 instead) and (generic path) k ≥ K
 //         are zero-filled by cp.async; K % 128 == 0 with
 //         16-byte-aligned rows takes the vector path, any K % 16 == 0 the generic one.
