@@ -14,7 +14,8 @@
 //         large N, e.g. LM heads), segs/2 (2 segments per CTA) or segs (1 per CTA), the fewest
 //         giving ≥ 3 four-warp CTAs per SM. Every S gives the same bits (SplitPlan).
 //   block W warps (W = 1, 2 or 4, picked from N so ≥ 2 CTAs per SM exist); warp w owns the
-//         16-row tile (group·W + w) and all M columns, over the CTA's contiguous K range.
+//         16-row tile (group·W + w) and all M columns, over the CTA's contiguous K range (M > 16:
+//         tiles (group·W + w)·2 and +1, kTilesPerWarp).
 //   lane  (g = lane/4, t = lane%4) holds rows g and g+8 of its tile; per 128-k chunk it owns the
 //         32 contiguous k [32t, 32t+32) of each row: one 16-byte smem load per row.
 //   K permutation: inside a chunk, mma step (w, h) (w = word 0..3, h = 0..1) feeds logical k
@@ -64,7 +65,9 @@
 //         tile, partials summed in shared memory in segment order: a cluster's bits) wherever
 //         the CTA can stage all of K — instead of clusters, and for mid shapes with few long
 //         CTAs per SM (launch_w4a16_gemv).
-//   M > 16 (v3.8): up to 8 warps per CTA, so the per-chunk activation staging serves 128 rows.
+//   M > 16 (v3.9): two adjacent 16-row tiles per warp (kTilesPerWarp), each B fragment loaded
+//         once for both and the CTA's per-chunk activation staging serving 128 rows (v3.8 had
+//         given such CTAs 8 warps of one tile instead: bench/NOTES.md).
 //   tails: rows ≥ n (the one-row kernel: they read row n − 1 instead) and (generic path) k ≥ K
 //         are zero-filled by cp.async; K % 128 == 0 with
 //         16-byte-aligned rows takes the vector path, any K % 16 == 0 the generic one.
@@ -117,11 +120,14 @@ constexpr int kStages = 4;                   // cp.async pipeline depth. 4, not 
                                              // CTA (≈ 110 KB per SM) still cover DRAM latency.
 static_assert(kStages >= 3, "activations are converted one stage ahead of the one computed");
 constexpr int kMaxWarps = 4;
-// M > 16 (MT ≥ 3): up to 8 warps per CTA. Each CTA stages all M activation rows of every chunk
-// (M = 32: 8 KB per chunk beside 4 × 1152 B of weights at 4 warps), so at 4 warps the stage's
-// activation copies and their in-place permutation (≈ 24 KB of shared-memory traffic per chunk)
-// outweigh the weights; 8 warps share them (v3.8).
-constexpr int kMaxWarpsWide = 8;
+// Tiles per warp of the staged kernel: M > 16 (MT ≥ 3) gives each warp two adjacent 16-row
+// tiles, each B fragment loaded once for both (v3.9). At M = 32 a warp loads 8 KB of B fragments
+// per chunk against 1152 B of weight per tile, and each CTA stages and permutes 8 KB of
+// activations per chunk: shared memory, not DRAM, bounds the tile; two tiles per warp halve
+// both per weight row.
+constexpr int tiles_per_warp(int mt) { return mt >= 3 ? 2 : 1; }
+template <int MT>
+constexpr int kTilesPerWarp = tiles_per_warp(MT);
 constexpr int kMaxSplits = 8;              // cluster size limit (portable)
 constexpr int kMaxDevices = 64;             // per-device launch attribute bookkeeping
 
@@ -135,11 +141,11 @@ struct StageLayout {
   int bytes;
 };
 
-__host__ __device__ inline StageLayout stage_layout(int warps, int mt, bool raw_operands) {
+__host__ __device__ inline StageLayout stage_layout(int tiles, int mt, bool raw_operands) {   // tiles = W · TPW
   StageLayout l;
   l.w_off = 0;
-  l.s_off = warps * kTileN * kRowBytes;
-  l.x_off = l.s_off + warps * kTileN * kScaleBytes;
+  l.s_off = tiles * kTileN * kRowBytes;
+  l.x_off = l.s_off + tiles * kTileN * kScaleBytes;
   l.a_off = l.x_off + mt * 8 * kXRowBytes;
   l.b_off = l.a_off + (raw_operands ? mt * 8 * kXRowBytes : 0);
   l.bytes = l.b_off + (raw_operands ? mt * 8 * kXRowBytes : 0);
@@ -244,63 +250,88 @@ __device__ __forceinline__ void dequant_word_tiled(uint32_t q, __nv_bfloat162 f,
   for (int i = 0; i < 4; ++i) r[i] = bf162_bits(__hmul2(bits_bf162(sub[i]), f));
 }
 
-// One 128-k chunk of a warp's 16-row tile on the tensor cores: 4 words × 2 mma steps × MT
-// tiles. w_g / s_g: the lane's 16 packed bytes and 2 scale bytes of tile row g (row g + 8 is
-// 8 rows further); xfrag(w, mt): the B fragment (4 words) of word w for n8 tile mt. kTiledBits:
-// the words are in the tiled layout's bit order (dequant_word_tiled), else the checkpoint's.
-template <int MT, bool kTiledBits, typename XFrag>
-__device__ __forceinline__ void mma_chunk(float (&acc)[MT][4], const uint8_t* w_g, const uint8_t* s_g,
+// One 128-k chunk of a warp's TPW adjacent 16-row tiles on the tensor cores: 4 words × 2 mma
+// steps × MT n8 tiles × TPW tiles, each B fragment loaded once for all TPW tiles. w_g / s_g:
+// the lane's 16 packed bytes and 2 scale bytes of the first tile's row g (row g + 8 is 8 rows
+// further, tile i 16·i rows); xfrag(w, mt): the B fragment (4 words) of word w for n8 tile mt;
+// acc[i·MT + mt]: tile i, n8 tile mt. Per output element the mma sequence is the TPW = 1 one.
+// kTiledBits: the words are in the tiled layout's bit order (dequant_word_tiled), else the
+// checkpoint's.
+template <int MT, bool kTiledBits, int TPW = 1, typename XFrag>
+__device__ __forceinline__ void mma_chunk(float (&acc)[TPW * MT][4], const uint8_t* w_g, const uint8_t* s_g,
                                           XFrag xfrag) {
-  const uint4 qa = *reinterpret_cast<const uint4*>(w_g);                        // row g
-  const uint4 qb = *reinterpret_cast<const uint4*>(w_g + 8 * kRowBytes);        // row g+8
-  const __nv_bfloat162 fa = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(s_g));
-  const __nv_bfloat162 fb = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(s_g + 8 * kScaleBytes));
-  const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
+  uint32_t wa[TPW][4], wb[TPW][4];
+  __nv_bfloat162 fa[TPW], fb[TPW];
+#pragma unroll
+  for (int i = 0; i < TPW; ++i) {
+    const uint8_t* wi = w_g + i * kTileN * kRowBytes;
+    const uint8_t* si = s_g + i * kTileN * kScaleBytes;
+    const uint4 qa = *reinterpret_cast<const uint4*>(wi);                       // row g
+    const uint4 qb = *reinterpret_cast<const uint4*>(wi + 8 * kRowBytes);       // row g+8
+    fa[i] = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(si));
+    fb[i] = scale_pair_bf16(*reinterpret_cast<const uint16_t*>(si + 8 * kScaleBytes));
+    wa[i][0] = qa.x; wa[i][1] = qa.y; wa[i][2] = qa.z; wa[i][3] = qa.w;
+    wb[i][0] = qb.x; wb[i][1] = qb.y; wb[i][2] = qb.z; wb[i][3] = qb.w;
+  }
 #pragma unroll
   for (int w = 0; w < 4; ++w) {            // word w: k = 32t + 8w .. +8, block 2t + w/2
-    uint32_t ra[4], rb[4];
-    if constexpr (kTiledBits) {
-      dequant_word_tiled(wa[w], w < 2 ? __low2bfloat162(fa) : __high2bfloat162(fa), ra);
-      dequant_word_tiled(wb[w], w < 2 ? __low2bfloat162(fb) : __high2bfloat162(fb), rb);
-    } else {
-      dequant_word(wa[w], w < 2 ? __low2bfloat162(fa) : __high2bfloat162(fa), ra);
-      dequant_word(wb[w], w < 2 ? __low2bfloat162(fb) : __high2bfloat162(fb), rb);
+    uint32_t ra[TPW][4], rb[TPW][4];
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) {
+      const __nv_bfloat162 sa = w < 2 ? __low2bfloat162(fa[i]) : __high2bfloat162(fa[i]);
+      const __nv_bfloat162 sb = w < 2 ? __low2bfloat162(fb[i]) : __high2bfloat162(fb[i]);
+      if constexpr (kTiledBits) {
+        dequant_word_tiled(wa[i][w], sa, ra[i]);
+        dequant_word_tiled(wb[i][w], sb, rb[i]);
+      } else {
+        dequant_word(wa[i][w], sa, ra[i]);
+        dequant_word(wb[i][w], sb, rb[i]);
+      }
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const uint4 xv = xfrag(w, mt);
-      // h = 0: k (8w, 8w+4) and (8w+1, 8w+5); h = 1: (8w+2, 8w+6) and (8w+3, 8w+7)
-      mma_bf16_16816(acc[mt], ra[0], rb[0], ra[1], rb[1], xv.x, xv.y);
-      mma_bf16_16816(acc[mt], ra[2], rb[2], ra[3], rb[3], xv.z, xv.w);
+#pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        // h = 0: k (8w, 8w+4) and (8w+1, 8w+5); h = 1: (8w+2, 8w+6) and (8w+3, 8w+7)
+        mma_bf16_16816(acc[i * MT + mt], ra[i][0], rb[i][0], ra[i][1], rb[i][1], xv.x, xv.y);
+        mma_bf16_16816(acc[i * MT + mt], ra[i][2], rb[i][2], ra[i][3], rb[i][3], xv.z, xv.w);
+      }
     }
   }
 }
 
 // The CTA's rows out: y = sum · global_scale · 2^7 (one f32 multiply, one rounding). One CTA
 // over all segments stores its running sums; a cluster of `splits` CTAs (split-K) stores the
-// segment partials [segs_per_cta][16W rows][8MT cols] f32 in shared memory and sums them in
+// segment partials [segs_per_cta][16·W·TPW rows][8MT cols] f32 in shared memory and sums them in
 // segment order (rank 0's, then rank 1's, …: deterministic), each rank storing every S-th
 // element, the remote loads of an element issued together. Every thread of the CTA calls it.
-template <int MT>
+// Warp w owns tiles w·TPW .. w·TPW + TPW − 1 of the CTA (sums index i·MT + mt, mma_chunk).
+template <int MT, int TPW = 1>
 __device__ __forceinline__ void store_rows(const W4A16GemvArgs& args, const W4A16GemvWeight& wt,
-                                           const SplitPlan& plan, const SegmentSums<MT>& sums, int row0,
-                                           uint8_t* smem) {
+                                           const SplitPlan& plan, const SegmentSums<TPW * MT>& sums,
+                                           int row0, uint8_t* smem) {
   const int tid = threadIdx.x, nthreads = blockDim.x, warps = nthreads / 32, warp = tid / 32;
   const int g = (tid % 32) / 4, t = tid % 4, splits = gridDim.x, split = blockIdx.x;
   const int M = args.m, n_rows = wt.n;
   const float factor = __ldg(wt.global_scale) * kOutBias;
-  const int row_base = row0 + warp * kTileN;
+  const int cta_rows = warps * TPW * kTileN;
   if (splits == 1) {
-    if (row_base >= n_rows) return;
     // Empty trailing segments (K short of the last ones) add +0 in the cluster order too.
     const bool empty_tail = sums.finished < plan.num_segs;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    for (int i = 0; i < TPW; ++i) {
+      const int row_base = row0 + (warp * TPW + i) * kTileN;
+      if (row_base >= n_rows) break;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int m = mt * 8 + 2 * t + (e & 1), n = row_base + g + 8 * (e >> 1);
-        const float v = empty_tail ? sums.done[mt][e] + 0.0f : sums.done[mt][e];
-        if (m < M && n < n_rows) store_out(wt, args.out_dtype, m, n, v * factor);
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int m = mt * 8 + 2 * t + (e & 1), n = row_base + g + 8 * (e >> 1);
+          const float d = sums.done[i * MT + mt][e];
+          const float v = empty_tail ? d + 0.0f : d;
+          if (m < M && n < n_rows) store_out(wt, args.out_dtype, m, n, v * factor);
+        }
       }
     }
     return;
@@ -308,24 +339,27 @@ __device__ __forceinline__ void store_rows(const W4A16GemvArgs& args, const W4A1
   cp_async_wait<0>();
   __syncthreads();  // all warps are done with the stage buffers
   constexpr int kCols = MT * 8;
-  const int part_stride = warps * kTileN * kCols;  // floats per segment
+  const int part_stride = cta_rows * kCols;  // floats per segment
   float* part = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+  for (int i = 0; i < TPW; ++i) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int idx = (warp * kTileN + g + 8 * (e >> 1)) * kCols + mt * 8 + 2 * t + (e & 1);
-      if (plan.segs_per_cta == 2) {
-        part[idx] = sums.done[mt][e];
-        part[part_stride + idx] = sums.acc[mt][e];
-      } else {
-        part[idx] = sums.acc[mt][e];
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int idx = ((warp * TPW + i) * kTileN + g + 8 * (e >> 1)) * kCols + mt * 8 + 2 * t + (e & 1);
+        if (plan.segs_per_cta == 2) {
+          part[idx] = sums.done[i * MT + mt][e];
+          part[part_stride + idx] = sums.acc[i * MT + mt][e];
+        } else {
+          part[idx] = sums.acc[i * MT + mt][e];
+        }
       }
     }
   }
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
-  for (int e = split * nthreads + tid; e < warps * kTileN * M; e += splits * nthreads) {
+  for (int e = split * nthreads + tid; e < cta_rows * M; e += splits * nthreads) {
     const int rl = e / M, m = e % M, n = row0 + rl;
     if (n >= n_rows) continue;
     float v[kMaxSplits][2];
@@ -361,7 +395,7 @@ __device__ __forceinline__ void store_rows(const W4A16GemvArgs& args, const W4A1
 // 16-byte weight pieces, one 8-byte scale piece, pointers advanced by a constant per chunk),
 // keeps the lane's fragment offsets in registers, and walks the stage ring by byte offset.
 template <int MT, bool kVec, GemvAct kAct>
-__global__ void __launch_bounds__((MT >= 3 ? kMaxWarpsWide : kMaxWarps) * 32)
+__global__ void __launch_bounds__(kMaxWarps * 32)
 w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
                   int groups0,            // row groups of weight 0 (the rest belong to weight 1)
                   SplitPlan plan) {       // segments of K over the CTAs (blockIdx.x)
@@ -376,29 +410,33 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   const W4A16GemvWeight& wt = args.w[wi];
   const int group = blockIdx.y - (wi ? groups0 : 0);
   const int K = args.k, M = args.m, n_rows = wt.n;
-  const int row0 = group * warps * kTileN;              // first weight row of this CTA
+  constexpr int TPW = kTilesPerWarp<MT>;                // warp w: tiles w·TPW .. +TPW − 1
+  const int tiles_cta = warps * TPW;
+  const int row0 = group * tiles_cta * kTileN;          // first weight row of this CTA
   const int num_chunks = (K + kChunkK - 1) / kChunkK;
   const int chunks_per_cta = plan.seg_chunks * plan.segs_per_cta;
   const int c_begin = min(split * chunks_per_cta, num_chunks);
   const int c_end = min(c_begin + chunks_per_cta, num_chunks);
-  const StageLayout lay = stage_layout(warps, MT, kRaw);
+  const StageLayout lay = stage_layout(tiles_cta, MT, kRaw);
   const int ring_bytes = kStages * lay.bytes;           // the stage ring, walked by byte offset
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(args.x);    // [M, K]
   const __nv_bfloat16* x2 = static_cast<const __nv_bfloat16*>(args.x2);  // [M, K] rows x2_stride apart (kRaw)
   const uint32_t smem_base = smem_u32(smem);
 
-  // ---- copy plan (vector path), fixed for the CTA: the 16W rows × 4 16-byte pieces of a
-  // chunk are 2·nthreads pieces, p = tid and tid + nthreads (row p/4, piece p%4); thread
-  // tid < 16W also copies row tid's 8 scale bytes. Rows ≥ n zero-fill from a fixed address.
-  const uint8_t* w_src[2];   // [n, K/2] packed: this thread's piece of the next chunk to issue
-  int w_step[2];             // 64 bytes per chunk, 0 for rows ≥ n
-  uint32_t w_dst[2];         // smem offset inside a stage
+  // ---- copy plan (vector path), fixed for the CTA: the 16·W·TPW rows × 4 16-byte pieces of a
+  // chunk are 2·TPW·nthreads pieces, p = tid + j·nthreads (row p/4, piece p%4); thread
+  // tid < 16·W·TPW (every thread at TPW = 2) also copies row tid's 8 scale bytes. Rows ≥ n
+  // zero-fill from a fixed address.
+  static_assert(TPW <= 2, "one scale piece per thread covers 32 rows per warp");
+  const uint8_t* w_src[2 * TPW];   // [n, K/2] packed: this thread's pieces of the next chunk to issue
+  int w_step[2 * TPW];             // 64 bytes per chunk, 0 for rows ≥ n
+  uint32_t w_dst[2 * TPW];         // smem offset inside a stage
   const uint8_t* s_src = wt.block_scale;  // [n, K/16] e4m3: row tid's 8 bytes of the next chunk
   int s_step = 0;
-  const bool s_issuer = tid < warps * kTileN;
+  const bool s_issuer = tid < tiles_cta * kTileN;
   if constexpr (kVec) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < 2 * TPW; ++j) {
       const int p = tid + j * nthreads, rl = p >> 2, u = p & 3, n = row0 + rl;
       const bool ok = n < n_rows;
       int64_t off = 0;
@@ -421,7 +459,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   auto issue_weights = [&](int st_off, int c) {
     if constexpr (kVec) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < 2 * TPW; ++j) {
         cp_async16(smem_base + st_off + w_dst[j], w_src[j], w_step[j] ? 16 : 0);
         w_src[j] += w_step[j];
       }
@@ -432,13 +470,13 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     } else {
       uint8_t* st = smem + st_off;
       const int k0 = c * kChunkK;
-      for (int p = tid; p < warps * kTileN * 8; p += nthreads) {         // 8-byte pieces = 16 k
+      for (int p = tid; p < tiles_cta * kTileN * 8; p += nthreads) {     // 8-byte pieces = 16 k
         const int rl = p >> 3, u = p & 7, n = row0 + rl, kk = k0 + 16 * u;
         const bool ok = n < n_rows && kk < K;
         const uint8_t* src = wt.packed + (ok ? static_cast<int64_t>(n) * (K / 2) + kk / 2 : 0);
         cp_async8(smem_base + st_off + lay.w_off + rl * kRowBytes + u * 8, src, ok ? 8 : 0);
       }
-      for (int p = tid; p < warps * kTileN * 8; p += nthreads) {         // scale bytes, synchronous
+      for (int p = tid; p < tiles_cta * kTileN * 8; p += nthreads) {     // scale bytes, synchronous
         const int rl = p >> 3, j = p & 7, n = row0 + rl, kk = k0 + 16 * j;
         const bool ok = n < n_rows && kk < K;
         st[lay.s_off + rl * kScaleBytes + j] =
@@ -515,14 +553,14 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
 
-  SegmentSums<MT> sums;
-  const bool warp_has_rows = row0 + warp * kTileN < n_rows;
+  SegmentSums<TPW * MT> sums;
+  const bool warp_has_rows = row0 + warp * TPW * kTileN < n_rows;
 
   // The lane's fragment offsets inside a stage, fixed for the CTA: weight row g (row g + 8 is
   // 8 rows further), its two scale bytes, and activation row g's unit of word w (the swizzle
   // depends on the row's parity only, so tile mt adds 8·mt rows to the same offsets).
-  const int lane_w = lay.w_off + (warp * kTileN + g) * kRowBytes + t * 16;
-  const int lane_s = lay.s_off + (warp * kTileN + g) * kScaleBytes + 2 * t;
+  const int lane_w = lay.w_off + (warp * TPW * kTileN + g) * kRowBytes + t * 16;
+  const int lane_s = lay.s_off + (warp * TPW * kTileN + g) * kScaleBytes + 2 * t;
   int lane_x[4];
 #pragma unroll
   for (int w = 0; w < 4; ++w) lane_x[w] = lay.x_off + g * kXRowBytes + bf16_unit_slot(g, 4 * t + w) * 16;
@@ -535,8 +573,8 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     auto xfrag = [&](int w, int mt) {
       return *reinterpret_cast<const uint4*>(st + lane_x[w] + mt * 8 * kXRowBytes);
     };
-    if (kVec && wt.tiled) mma_chunk<MT, true>(sums.acc, st + lane_w, st + lane_s, xfrag);
-    else mma_chunk<MT, false>(sums.acc, st + lane_w, st + lane_s, xfrag);
+    if (kVec && wt.tiled) mma_chunk<MT, true, TPW>(sums.acc, st + lane_w, st + lane_s, xfrag);
+    else mma_chunk<MT, false, TPW>(sums.acc, st + lane_w, st + lane_s, xfrag);
   };
 
   // ---- prologue: the first kStages − 1 chunks' weights stream in before the previous kernel
@@ -582,7 +620,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   // The next kernel may start launching (it waits for this whole grid before reading y).
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-  store_rows<MT>(args, wt, plan, sums, row0, smem);
+  store_rows<MT, TPW>(args, wt, plan, sums, row0, smem);
 }
 
 // ---- the one-row kernel (v3: M = 1, vector path) -------------------------------------------
@@ -821,8 +859,8 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
 }
 
 // Split-K partials in shared memory (store_rows) for a launch of `splits` CTAs per row group.
-int partial_bytes(dim3 grid, const SplitPlan& plan, int warps, int mt) {
-  return (grid.x > 1 ? plan.segs_per_cta : 0) * warps * kTileN * mt * 8 * static_cast<int>(sizeof(float));
+int partial_bytes(dim3 grid, const SplitPlan& plan, int tiles, int mt) {
+  return (grid.x > 1 ? plan.segs_per_cta : 0) * tiles * kTileN * mt * 8 * static_cast<int>(sizeof(float));
 }
 
 // One launch of a GEMV kernel: cluster of the S splits, programmatic dependent launch (a plain
@@ -869,10 +907,11 @@ cudaError_t launch_kernel(Kernel kernel, int (&opted_in)[kMaxDevices], const W4A
 template <int MT, bool kVec, GemvAct kAct>
 cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0,
                             SplitPlan plan, cudaStream_t stream) {
-  const StageLayout lay = stage_layout(warps, MT, kAct != GemvAct::kPlain);
+  const int tiles_cta = warps * kTilesPerWarp<MT>;
+  const StageLayout lay = stage_layout(tiles_cta, MT, kAct != GemvAct::kPlain);
   static int opted_in[kMaxDevices] = {};
   return launch_kernel(w4a16_gemv_kernel<MT, kVec, kAct>, opted_in, a, grid, warps, groups0, plan,
-                       std::max(kStages * lay.bytes, partial_bytes(grid, plan, warps, MT)), stream);
+                       std::max(kStages * lay.bytes, partial_bytes(grid, plan, tiles_cta, MT)), stream);
 }
 
 // The one-row kernel's shared memory (0: it does not apply — M > 1, the generic path, or a
@@ -976,17 +1015,18 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   int tiles = 0;
   for (int i = 0; i < a.num_weights; ++i) tiles += ceil_div(a.w[i].n, kTileN);
   const int sms = sm_count[dev];
+  const int tpw = tiles_per_warp(ceil_div(a.m, 8));     // the staged kernel's tiles per warp
+  const int units = ceil_div(tiles, tpw);                 // warp work items
   int splits = segs;
   for (const int s : {1, segs / 2}) {
-    if (s >= 1 && s < splits && ceil_div(tiles, kMaxWarps) * s >= 3 * sms) { splits = s; break; }
+    if (s >= 1 && s < splits && ceil_div(units, kMaxWarps) * s >= 3 * sms) { splits = s; break; }
   }
-  int warps = a.m > 16 ? kMaxWarpsWide : kMaxWarps;
-  while (warps > 1 && ceil_div(tiles, warps) * splits < 2 * sms) warps /= 2;
+  int warps = kMaxWarps;
+  while (warps > 1 && ceil_div(units, warps) * splits < 2 * sms) warps /= 2;
   // Balance (M ≤ 8): a grid of a few long CTAs per SM ends with the SM holding the most, so of
   // W = 4 and 2 take the one whose CTAs per SM fall closest below a whole number (gate_up
   // 34816×5120, one split: 544 four-warp CTAs = 4.12 per SM → 0.82 of the SMs' time used,
-  // 1088 two-warp CTAs = 8.24 → 0.92). M > 8 keeps W = 4 (M > 16: 8, kMaxWarpsWide): each CTA
-  // re-reads the activations.
+  // 1088 two-warp CTAs = 8.24 → 0.92). M > 8 keeps W = 4: each CTA re-reads the activations.
   if (warps == kMaxWarps && a.m <= 8) {
     auto used = [&](int w) {
       const double per_sm = double(ceil_div(tiles, w) * splits) / sms;
@@ -1034,7 +1074,7 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     plan.segs_per_cta = segs / warp_splits;
     plan.warp_splits = warp_splits;
   }
-  const int cta_rows = warps / warp_splits * kTileN;
+  const int cta_rows = warps / warp_splits * tpw * kTileN;
   const int groups0 = ceil_div(a.w[0].n, cta_rows);
   const int groups = groups0 + (a.num_weights == 2 ? ceil_div(a.w[1].n, cta_rows) : 0);
   if (groups > 65535) return cudaErrorInvalidValue;
