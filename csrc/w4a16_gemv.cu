@@ -133,8 +133,8 @@ constexpr int kMaxDevices = 64;             // per-device launch attribute bookk
 
 // Byte offsets inside one pipeline stage.
 struct StageLayout {
-  int w_off;   // [16W rows][64 B]   packed weight
-  int s_off;   // [16W rows][8 B]    e4m3 block scales
+  int w_off;   // [16·W·TPW rows][64 B] packed weight
+  int s_off;   // [16·W·TPW rows][8 B]  e4m3 block scales
   int x_off;   // [8MT rows][256 B]  bf16 activations, swizzled units
   int a_off;   // [8MT rows][256 B]  silu / gated: raw x (linear)
   int b_off;   // [8MT rows][256 B]  silu / gated: raw x2 (linear)
@@ -206,7 +206,7 @@ __device__ __forceinline__ void row_plan(const W4A16GemvWeight& wt, int K, int c
   }
 }
 
-// A lane's share of its warp's 16-row tile over the K segments of its CTA (SplitPlan): acc is
+// A lane's share of its warp's 16-row tile(s) (SegmentSums<TPW·MT>: tile i, n8 tile mt at i·MT + mt) over the K segments of its CTA (SplitPlan): acc is
 // the current segment's partial; done is 0 + the finished segments' partials in order (one CTA
 // over all segments) or the first segment's partial (2 segments per CTA in a cluster).
 template <int MT>
