@@ -206,9 +206,10 @@ __device__ __forceinline__ void row_plan(const W4A16GemvWeight& wt, int K, int c
   }
 }
 
-// A lane's share of its warp's 16-row tile(s) (SegmentSums<TPW·MT>: tile i, n8 tile mt at i·MT + mt) over the K segments of its CTA (SplitPlan): acc is
-// the current segment's partial; done is 0 + the finished segments' partials in order (one CTA
-// over all segments) or the first segment's partial (2 segments per CTA in a cluster).
+// A lane's share of its warp's 16-row tile(s) over the K segments of its CTA (SplitPlan; the
+// staged kernel's SegmentSums<TPW·MT> holds tile i, n8 tile mt at i·MT + mt): acc is the current
+// segment's partial; done is 0 + the finished segments' partials in order (one CTA over all
+// segments) or the first segment's partial (2 segments per CTA in a cluster).
 template <int MT>
 struct SegmentSums {
   float acc[MT][4];
