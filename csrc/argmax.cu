@@ -9,9 +9,11 @@
 //   Split pass: grid (S = ceil(V / 4096), R), 256 threads. CTA (s, r) owns logits
 //     [s·4096, (s+1)·4096) of row r; thread t reads v = s·4096 + t + 256·i, i ∈ [0, 16)
 //     (a warp reads 32 consecutive logits: coalesced, and no alignment assumption on V or the
-//     row stride, e.g. V = 248 077). Each thread keeps an online (max, Σ exp(x − max), argmax);
-//     the CTA merges them (warp xor-shuffles, then 8 warp results through shared memory) and
-//     writes one partial per (row, split).
+//     row stride, e.g. V = 248 077). Each thread takes the max of its 16 and its first index,
+//     then Σ exp(x − max) (v2; v1 kept an online running triple: expf on both sides of a
+//     data-dependent branch, ≈ 2× the instructions); the CTA merges the threads' triples
+//     (warp xor-shuffles, then 8 warp results through shared memory) and writes one partial
+//     per (row, split).
 //   Merge pass: grid R, one warp per row: lanes merge the S partials in a fixed order, then a
 //     warp xor-shuffle merge; lane 0 writes ids and prob.
 //   merge(a, b): the winner is the larger max, or on equal max the lower index; the loser's
@@ -52,19 +54,6 @@ struct Best {
 };
 
 __device__ __forceinline__ Best empty_best() { return {-INFINITY, 0.f, INT_MAX}; }
-
-// Add logit x at index v (called with increasing v per thread, so a strict > keeps the first
-// of equal maxima). −inf adds 0 to the sum (and never makes exp(−inf − (−inf)) = NaN).
-__device__ __forceinline__ void push(Best& b, float x, int v) {
-  if (x > b.m) {
-    b.s = b.s * expf(b.m - x) + 1.f;   // b.m = −inf, b.s = 0 on the first finite x: 0·0 + 1
-    b.m = x;
-    b.idx = v;
-  } else {
-    if (b.idx == INT_MAX) b.idx = v;   // all −inf so far: still report the first index
-    b.s += (x == -INFINITY) ? 0.f : expf(x - b.m);
-  }
-}
 
 __device__ __forceinline__ Best merge(const Best& a, const Best& b) {
   const bool a_wins = a.m > b.m || (a.m == b.m && a.idx < b.idx);
@@ -107,11 +96,25 @@ __global__ void __launch_bounds__(kThreads) argmax_split_kernel(
     const int64_t v = v0 + threadIdx.x + i * kThreads;
     x[i] = v < vocab ? load_logit(row + v) : -INFINITY;
   }
+  // Two passes over the registers (v2): the max and its first index by compares alone, then
+  // Σ exp(x − max) — one expf per logit and no divergent branch (v1's online push rescaled the
+  // sum on every new maximum, expf on both sides of a data-dependent branch).
   Best b = empty_best();
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int64_t v = v0 + threadIdx.x + i * kThreads;
-    if (v < vocab) push(b, x[i], static_cast<int>(v));
+    if (v >= vocab) continue;
+    if (x[i] > b.m) {                    // strict >: the first of equal maxima wins
+      b.m = x[i];
+      b.idx = static_cast<int>(v);
+    } else if (b.idx == INT_MAX) {       // all −inf so far: still report the first index
+      b.idx = static_cast<int>(v);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const float e = expf(x[i] - b.m);                      // out-of-range lanes hold −inf
+    b.s += (x[i] == -INFINITY) ? 0.f : e;                  // (and b.m = −inf would make NaN)
   }
 
   // 2. CTA merge: warps, then the 8 warp results
