@@ -176,6 +176,8 @@ def main():
                         rows.append(dict(model=model, weights=fmt, vocab=head.vocab, B=b, k=k,
                                          us_per_draft=us, floor_us=fl, x_floor=us / fl,
                                          GBps=fl * bw / us, x_B1=us / b1[k] if k in b1 else float("nan")))
+                        print(f"{model} {fmt} vocab {head.vocab} B={b} k={k}: {us:.1f} us/draft "
+                              f"({us / fl:.2f}x floor)", flush=True)
             del base, head
             torch.cuda.empty_cache()
     write_results("bench_mtp", rows, meta=dict(context=CONTEXT, note="graph-replayed propose; µs per draft position"),
