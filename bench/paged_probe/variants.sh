@@ -1,0 +1,32 @@
+#!/bin/bash
+# bench/paged_probe/variants.sh — on a GPU machine: the paged_decode probe (driver.cu) built
+# against patched copies of csrc/paged_decode.h / paged_decode.cu, to measure launch-shape
+# choices without touching the library. Each variant is a directory with the instrumented
+# kernel and its own header (found first: quoted includes search the including file's folder).
+#   base    the current sources
+#   t128    kPagedDecodeTargetCtas 128 (B = 1 × 32K at nkv 2: 64 splits of 512, one CTA per SM)
+#   t128s6  t128 + kStages 6 (bf16) / 8 (fp8): one CTA per SM with ≈ 160 KB in flight
+# Session 12 ran these (bench/NOTES.md, paged_decode): neither beat base. Usage:
+#   VARIANTS="base t128" MODE=time bash bench/paged_probe/variants.sh     (MODE full | time)
+set -uo pipefail
+cd "$(dirname "$0")"
+tmp=${TMPDIR:-/tmp}/paged_variants; mkdir -p "$tmp"
+VARIANTS=${VARIANTS:-"base t128 t128s6"}
+patch_or_die() {  # file sed-expression expected-text
+  sed -i "$2" "$1"; grep -q "$3" "$1" || { echo "variants.sh: patch '$2' did not apply to $1" >&2; exit 1; }
+}
+for v in $VARIANTS; do
+  d=$tmp/$v; mkdir -p "$d"
+  python3 make_probe.py ../../csrc/paged_decode.cu "$d/probe_kernel.cu"
+  cp ../../csrc/paged_decode.h "$d/"
+  case $v in t128*) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeTargetCtas = 256;/kPagedDecodeTargetCtas = 128;/' "TargetCtas = 128;";; esac
+  case $v in *s6) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 2 * kTileBytes >= 32768 ? 6 : 8;/' "? 6 : 8;";; esac
+  nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr -I"$d" -I../../csrc -o "$d/bin" driver.cu "$d/probe_kernel.cu" \
+    > "$d/build.log" 2>&1 &
+done
+wait
+for v in $VARIANTS; do
+  echo "=== $v"
+  [ -x "$tmp/$v/bin" ] || { tail -20 "$tmp/$v/build.log"; continue; }
+  timeout 120 "$tmp/$v/bin" "${MODE:-full}" | grep -vE "^      tile  [1-9]|^      tile 1[0-9]"
+done
