@@ -15,7 +15,7 @@
 //         giving ≥ 3 four-warp CTAs per SM. Every S gives the same bits (SplitPlan).
 //   block W warps (W = 1, 2 or 4, picked from N so ≥ 2 CTAs per SM exist); warp w owns the
 //         16-row tile (group·W + w) and all M columns, over the CTA's contiguous K range (M > 16:
-//         tiles (group·W + w)·2 and +1, kTilesPerWarp).
+//         tiles (group·W + w)·2 and +1, TPW = 2).
 //   lane  (g = lane/4, t = lane%4) holds rows g and g+8 of its tile; per 128-k chunk it owns the
 //         32 contiguous k [32t, 32t+32) of each row: one 16-byte smem load per row.
 //   K permutation: inside a chunk, mma step (w, h) (w = word 0..3, h = 0..1) feeds logical k
@@ -65,9 +65,10 @@
 //         tile, partials summed in shared memory in segment order: a cluster's bits) wherever
 //         the CTA can stage all of K — instead of clusters, and for mid shapes with few long
 //         CTAs per SM (launch_w4a16_gemv).
-//   M > 16 (v3.9): two adjacent 16-row tiles per warp (kTilesPerWarp), each B fragment loaded
+//   M > 16 (v3.9): two adjacent 16-row tiles per warp (template TPW), each B fragment loaded
 //         once for both and the CTA's per-chunk activation staging serving 128 rows (v3.8 had
-//         given such CTAs 8 warps of one tile instead: bench/NOTES.md).
+//         given such CTAs 8 warps of one tile instead: bench/NOTES.md); v3.10: one tile per
+//         warp again for plain activations over fewer than 2 tiles per SM (kTpwMinTilesPerSm).
 //   tails: rows ≥ n (the one-row kernel: they read row n − 1 instead) and (generic path) k ≥ K
 //         are zero-filled by cp.async; K % 128 == 0 with
 //         16-byte-aligned rows takes the vector path, any K % 16 == 0 the generic one.
@@ -120,14 +121,14 @@ constexpr int kStages = 4;                   // cp.async pipeline depth. 4, not 
                                              // CTA (≈ 110 KB per SM) still cover DRAM latency.
 static_assert(kStages >= 3, "activations are converted one stage ahead of the one computed");
 constexpr int kMaxWarps = 4;
-// Tiles per warp of the staged kernel: M > 16 (MT ≥ 3) gives each warp two adjacent 16-row
-// tiles, each B fragment loaded once for both (v3.9). At M = 32 a warp loads 8 KB of B fragments
-// per chunk against 1152 B of weight per tile, and each CTA stages and permutes 8 KB of
-// activations per chunk: shared memory, not DRAM, bounds the tile; two tiles per warp halve
-// both per weight row.
-constexpr int tiles_per_warp(int mt) { return mt >= 3 ? 2 : 1; }
-template <int MT>
-constexpr int kTilesPerWarp = tiles_per_warp(MT);
+// Tiles per warp of the staged kernel (template TPW, SplitPlan::tiles_per_warp): M > 16 (MT ≥
+// 3) gives each warp two adjacent 16-row tiles, each B fragment loaded once for both (v3.9). At
+// M = 32 a warp loads 8 KB of B fragments per chunk against 1152 B of weight per tile, and each
+// CTA stages and permutes 8 KB of activations per chunk: shared memory, not DRAM, bounds the
+// tile; two tiles per warp halve both per weight row. But they also halve the warp work items:
+// v3.9 measured 35B o_proj (128 tiles) 10.8 → 12.7 µs and a 2048×512 expert 7.2 → 9.9 at M =
+// 32, so plain activations with fewer than 2 tiles per SM keep one tile per warp (v3.10).
+constexpr int kTpwMinTilesPerSm = 2;
 constexpr int kMaxSplits = 8;              // cluster size limit (portable)
 constexpr int kMaxDevices = 64;             // per-device launch attribute bookkeeping
 
@@ -167,6 +168,8 @@ struct SplitPlan {
   int warp_splits = 1;  // one-row kernel only: > 1 = the CTA covers all of K and its warps split
                         // it (warp_splits warps per 16-row tile, summed in shared memory in
                         // segment order, like a cluster's ranks: the same bits, no cluster)
+  int tiles_per_warp = 1;  // staged kernel: 16-row tiles per warp (its template TPW: 1 or 2,
+                           // chosen by the launcher; see kTpwMinTilesPerSm)
 };
 
 // The fused activation of one element in f32 (rounded once to bf16 by the caller), written
@@ -384,7 +387,7 @@ __device__ __forceinline__ void store_rows(const W4A16GemvArgs& args, const W4A1
 }
 
 // ---- the kernel --------------------------------------------------------------------------
-// MT: n8 tiles of x rows (M ≤ 8·MT). kVec: K % 128 == 0 and 16-byte rows (16-byte weight
+// MT: n8 tiles of x rows (M ≤ 8·MT). TPW: 16-row tiles per warp (1, or 2 at MT ≥ 3). kVec: K % 128 == 0 and 16-byte rows (16-byte weight
 // copies, 8-byte scale copies, no K tail); else 8-byte weight copies and byte scale loads.
 // kAct: the activation (plain x, or bf16(silu(x) · x2) / bf16(x · sigmoid(x2)) from raw rows).
 //
@@ -395,7 +398,7 @@ __device__ __forceinline__ void store_rows(const W4A16GemvArgs& args, const W4A1
 // swizzles recomputed every chunk). v2 fixes every thread's copy plan once per CTA (two
 // 16-byte weight pieces, one 8-byte scale piece, pointers advanced by a constant per chunk),
 // keeps the lane's fragment offsets in registers, and walks the stage ring by byte offset.
-template <int MT, bool kVec, GemvAct kAct>
+template <int MT, bool kVec, GemvAct kAct, int TPW>
 __global__ void __launch_bounds__(kMaxWarps * 32)
 w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
                   int groups0,            // row groups of weight 0 (the rest belong to weight 1)
@@ -411,7 +414,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   const W4A16GemvWeight& wt = args.w[wi];
   const int group = blockIdx.y - (wi ? groups0 : 0);
   const int K = args.k, M = args.m, n_rows = wt.n;
-  constexpr int TPW = kTilesPerWarp<MT>;                // warp w: tiles w·TPW .. +TPW − 1
+  static_assert(TPW == 1 || (TPW == 2 && MT >= 3), "two tiles per warp only for M > 16");
   const int tiles_cta = warps * TPW;
   const int row0 = group * tiles_cta * kTileN;          // first weight row of this CTA
   const int num_chunks = (K + kChunkK - 1) / kChunkK;
@@ -905,13 +908,13 @@ cudaError_t launch_kernel(Kernel kernel, int (&opted_in)[kMaxDevices], const W4A
   return last_launch_error();
 }
 
-template <int MT, bool kVec, GemvAct kAct>
+template <int MT, bool kVec, GemvAct kAct, int TPW>
 cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0,
                             SplitPlan plan, cudaStream_t stream) {
-  const int tiles_cta = warps * kTilesPerWarp<MT>;
+  const int tiles_cta = warps * TPW;
   const StageLayout lay = stage_layout(tiles_cta, MT, kAct != GemvAct::kPlain);
   static int opted_in[kMaxDevices] = {};
-  return launch_kernel(w4a16_gemv_kernel<MT, kVec, kAct>, opted_in, a, grid, warps, groups0, plan,
+  return launch_kernel(w4a16_gemv_kernel<MT, kVec, kAct, TPW>, opted_in, a, grid, warps, groups0, plan,
                        std::max(kStages * lay.bytes, partial_bytes(grid, plan, tiles_cta, MT)), stream);
 }
 
@@ -942,8 +945,23 @@ cudaError_t launch_act(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, i
     if (smem > 0) return launch_m1<kAct>(a, grid, warps, groups0, plan, smem, stream);
   }
   if (plan.warp_splits > 1) return cudaErrorInvalidValue;   // only the one-row kernel splits warps
-  return vec ? launch_instance<MT, true, kAct>(a, grid, warps, groups0, plan, stream)
-             : launch_instance<MT, false, kAct>(a, grid, warps, groups0, plan, stream);
+  auto run = [&](auto tpw) {
+    constexpr int TPW = decltype(tpw)::value;
+    return vec ? launch_instance<MT, true, kAct, TPW>(a, grid, warps, groups0, plan, stream)
+               : launch_instance<MT, false, kAct, TPW>(a, grid, warps, groups0, plan, stream);
+  };
+  // M > 16: two tiles per warp; one for plain activations where the launcher picks it (silu /
+  // gated at M > 16 always take two: no one-tile instance of them).
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  if constexpr (MT >= 3 && kAct != GemvAct::kPlain) {
+    return plan.tiles_per_warp == 2 ? run(Two{}) : cudaErrorInvalidValue;
+  } else if constexpr (MT >= 3) {
+    if (plan.tiles_per_warp == 2) return run(Two{});
+    return plan.tiles_per_warp == 1 ? run(One{}) : cudaErrorInvalidValue;
+  } else {
+    return plan.tiles_per_warp == 1 ? run(One{}) : cudaErrorInvalidValue;
+  }
 }
 
 template <int MT>
@@ -1016,7 +1034,9 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   int tiles = 0;
   for (int i = 0; i < a.num_weights; ++i) tiles += ceil_div(a.w[i].n, kTileN);
   const int sms = sm_count[dev];
-  const int tpw = tiles_per_warp(ceil_div(a.m, 8));     // the staged kernel's tiles per warp
+  // The staged kernel's tiles per warp (kTpwMinTilesPerSm): two at M > 16, except plain
+  // activations over fewer than 2 tiles per SM, where halving the warp work items costs more.
+  const int tpw = a.m > 16 && (raw || tiles >= kTpwMinTilesPerSm * sms) ? 2 : 1;
   const int units = ceil_div(tiles, tpw);                 // warp work items
   int splits = segs;
   for (const int s : {1, segs / 2}) {
@@ -1071,6 +1091,7 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     }
   }
   SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};
+  plan.tiles_per_warp = tpw;
   if (warp_splits > 1) {
     plan.segs_per_cta = segs / warp_splits;
     plan.warp_splits = warp_splits;
