@@ -122,7 +122,7 @@ def bench_parts(head: MtpHead, b: int, iters: int) -> list[dict]:
         parts["router gemv (F.linear)"] = lambda: ffn.gate_logits(fin)
         parts["moe_route"] = lambda: ops.moe_route(logits, ffn.top_k, ffn.renormalize,
                                                    shared_slot=ffn.experts.has_shared_slot)
-        parts["moe_experts (4 launches: group, gate_up, down, combine)"] = lambda: ffn.experts(
+        parts["moe_experts (B=1: gate_up, down, combine; B>1: + group)"] = lambda: ffn.experts(
             fin, ids, w, path="kernel", out_dtype=torch.bfloat16)
         parts["whole ffn"] = lambda: ffn(fin)
     else:

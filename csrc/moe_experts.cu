@@ -15,7 +15,11 @@
 // number of tokens that picked it, and its pairs are the n8 columns of the mma (swap-AB, as
 // w4a16_gemv: weight rows are the 16-row A operand, activation rows the B operand).
 //
-// Four launches (three at T·k ≤ 32), all with programmatic dependent launch (common/pdl.cuh):
+// One token (T = 1, NVFP4, h and I multiples of 128): three launches through w4a16_gemv's
+// one-row kernel, expert-indexed (launch_one_token: gate+up dual, silu down, combine) — the
+// grouped kernels below are latency-bound there, and their sums follow the one-row kernel's
+// K segment order, so the two paths give the same bits. Otherwise
+// four launches (three at T·k ≤ 32), all with programmatic dependent launch (common/pdl.cuh):
 //   1. group (1 CTA, 256 threads): counting sort of the valid pairs by expert into RECORDS: an
 //      expert with c pairs gets ceil(c / C) consecutive records (C = 8·MT columns), record r =
 //      {expert, rows = its pairs (1..C)} and pairs[r][0..rows)
@@ -37,21 +41,21 @@
 //      its C pair ids) is loaded into warp 0's registers one job ahead and written to a smem
 //      job slot (kSlots in a ring) before the step that first issues its chunks; the
 //      expert's global scales follow by cp.async into the slot, landing with its first chunk.
-//      gate_up: 256 threads = 2 K groups × 4 tile warps, one 16-row A tile each; tiles = I / 32
-//      (T·k ≤ 32: 128 threads = 2 K groups × 2 tile warps, tiles = I / 16 — B = 1's 9 experts
-//      then make 288 jobs of 36 KB for 132 SMs, ≤ 1.5 of the 72 KB jobs per SM, where 144 jobs
-//      put two whole jobs on 12 SMs; the job geometry never changes a dot's bits).
+//      gate_up: 128 threads = 4 tile warps, one 16-row A tile each; tiles = I / 32 (T·k ≤ 32:
+//      64 threads = 2 tile warps, tiles = I / 16; the job geometry never changes a dot's bits).
 //      Tile warps 2j and 2j+1 own the gate and the up rows n = 32x + 16j .. +16, so silu(g)·u
-//      fuses in the epilogue (the up warp hands bf16(u) to the gate warp through 2 KB of smem);
-//      K group kg computes the 128-k chunks c ≡ kg (mod 2) and the two partials are added
-//      acc_0 + acc_1 through smem (an order fixed by K alone). Columns = the record's pairs, B
+//      fuses in the epilogue (the up warp hands bf16(u) to the gate warp through 2 KB of smem).
+//      Every dot is summed as w4a16_gemv sums a row: K cut into w4a16_gemv_k_splits(K) segments,
+//      each segment's partial from 0 over its chunks in order, the partials added to 0 in
+//      segment order (v5; v3–v4 split gate_up's chunks over two K groups, even and odd, whose
+//      partials no GEMV reproduces). Columns = the record's pairs, B
 //      row = x[p / k]. Stores act[p, n] = bf16(silu(bf16(g)) · bf16(u)), each 8-element unit of
 //      an act row in the mma K order (n0, n4, n1, n5, n2, n6, n3, n7: what permute_unit makes of
 //      an activation unit), so down takes its B fragments as loaded (no prmt).
 //      down: 128 threads, 4 tile warps; rows n = 64x + 16·tw .. +16, tiles = ceil(h / 64);
 //      B row = act[p]; stores d[p, n] = bf16(dot) into a [T·k, h] bf16 scratch.
 //      MT (template, from T at launch): 1 for T ≤ 64 (C = 8: the stage is 6.5 KB, so deep rings
-//      fit 3 gate_up / 6 down CTAs per SM; an expert hit by c > 8 pairs, at B = 32 only the shared expert,
+//      fit 5 gate_up / 6 down CTAs per SM; an expert hit by c > 8 pairs, at B = 32 only the shared expert,
 //      becomes ceil(c/8) records whose jobs run side by side and re-read it from L2), 4 above
 //      (C = 32). Of a record's MT n8 tiles ceil(rows/8) are live (warp-uniform branch).
 //   4. combine: grid (ceil(h / 1024), T), 128 threads × 8 columns: out[t] = Σ_j in slot order
@@ -68,10 +72,10 @@
 //     read time (gate_up; down's act units are stored permuted; BF16 weights get the same
 //     permutation).
 //   pipeline: the CTA's jobs are one flat sequence of positions, ceil(nc / P)·P per job (nc =
-//     ceil(K / 128) chunks, P = KG·CW positions per step, CW chunks per warp and step: 2 for
+//     ceil(K / 128) chunks, P = CW positions per step, CW chunks per warp and step: 2 for
 //     NVFP4 at MT = 1, else 1; positions ≥ nc of a job are empty when P ∤ nc); kStages cp.async
 //     stages (Format::stages), position q in stage q % kStages; one commit group per position;
-//     step s computes positions s·P + kg + KG·w (K group kg, w < CW, in that order) and issues
+//     step s computes positions s·P + w (w < CW, in that order) and issues
 //     positions s·P + kStages − P + j (j < P) after one barrier, so the barrier, the cursors and
 //     the job-slot reads are paid once per CW chunks. A stage holds 16·TW weight rows × 64 B
 //     (NVFP4) | 256 B (BF16),
@@ -81,15 +85,15 @@
 //     16-bit loads, synchronous: only odd test shapes take it), one 16-byte unit per live
 //     activation row per 16 threads, from per-thread source pointers set once per job; the
 //     position, job and stage cursors advance by counters (no integer division in the loop).
-//     K tails (K % 32 == 0) zero-fill weights and activations. ptxas (NVFP4, MT = 1): gate_up 80
-//     registers under __launch_bounds__(256, 3) (TW = 2: 96 under (128, 4)), down 79 under
+//     K tails (K % 32 == 0) zero-fill weights and activations. ptxas (NVFP4, MT = 1, v5): gate_up
+//     94 registers under __launch_bounds__(128, 5) (TW = 2: 118 under (64, 5)), down 80 under
 //     (128, 6); no spills. SASS of one down step (2 chunks) ≈ 560 instructions: per chunk ≈ 280
 //     (dequant 153, mma + fragments ≈ 45, copies ≈ 54, cursors, slot reads, the barrier ≈ 30),
 //     ≈ w4a16_gemv v2's ≈ 280–290.
 //   Activation rows ≥ the record's rows are zero-filled or stale: they feed only mma
 //     columns ≥ rows, which are never stored (mma columns are independent dot products).
 //   PDL: gate_up waits for the grouping kernel (local grouping: for the ids' producer) before
-//     reading anything. down reads the records (or the ids) and issues its first kStages − KG
+//     reading anything. down reads the records (or the ids) and issues its first kStages − CW
 //     chunks of weights BEFORE griddepcontrol.wait: it is launched only once every gate_up CTA
 //     has executed launch_dependents or exited, and every gate_up CTA does either only after its
 //     own wait, which returns once the grouping grid (the ids' producer) has completed. The
@@ -98,10 +102,11 @@
 //     implies its predecessors' (the workspace may be reused by the stream's next op).
 //
 // Batch invariance: a pair's dot is the same bits whatever else is in the batch — its column's
-// mma sequence (chunks in order, 8 steps each; gate_up: the even and the odd chunks in two
-// partials, then acc_0 + acc_1) depends on K only, not on MT, on the column or record it lands
-// in, or on the CTA that runs the job; the combine sums slots in order j. Tested bitwise (one
-// token alone == that token inside a 32-token batch sharing all its experts).
+// mma sequence (chunks in order, 8 steps each, the K segment partials summed in order) depends
+// on K only, not on MT, on the column or record it lands in, or on the CTA that runs the job —
+// and it is w4a16_gemv's, so the one-token path is the same bits; the combine sums slots in
+// order j. Tested bitwise (one token alone == that token inside a 32-token batch sharing all
+// its experts, and inside an 80-token batch).
 //
 // Versions (bench: python bench/bench_mtp.py --parts; tests: tests/test_moe_route.py,
 // csrc/tests/test_mtp_kernels.cu):
@@ -115,8 +120,11 @@
 //       slots empty at B = 32 (4500 CTAs that only read the tables), and every CTA paid two
 //       dependent table round trips + a cold pipeline fill + a drain for 18 KB (down) or 72 KB
 //       (gate_up) of weights.
-//   v4 (this): persistent CTAs over (record, row tile) jobs, one chunk stream across jobs;
-//       records of ≤ 8·MT pairs from the grouping kernel; MT = 1 up to T = 64. Same bits as v3.
+//   v4: persistent CTAs over (record, row tile) jobs, one chunk stream across jobs; records of
+//       ≤ 8·MT pairs from the grouping kernel; MT = 1 up to T = 64. Same bits as v3. H200:
+//       23.8 µs at B = 1, 168.9 at B = 32.
+//   v5 (this): sums in w4a16_gemv's K segment order (gate_up's two K groups dropped: 4-warp
+//       CTAs); one token through the expert-indexed one-row GEMV (3 launches).
 //
 // Floor: bytes = (experts hit) · (2·I·h + h·I) · B_w (B_w = 9/16 NVFP4, 2 BF16) + x, act, d, out.
 //   35B-A3B (h 2048, I 512, top-8 of 256 + the shared expert as slot 8), NVFP4: B = 1: 9 experts
@@ -131,6 +139,7 @@
 #include "common/nvfp4_mma.cuh"
 #include "common/pdl.cuh"
 #include "moe_experts.h"
+#include "w4a16_gemv.h"
 
 namespace atlas {
 namespace {
@@ -150,6 +159,7 @@ struct Workspace {
   size_t pairs;         // int32 [R_max, C] pair ids of record r (columns ≥ rows never written)
   size_t act;           // bf16 [T·k, I]   silu(g)·u per pair, units in mma K order (invalid pairs' rows unwritten)
   size_t d;             // bf16 [T·k, h]   down output per pair (idem)
+  size_t up;            // T = 1 only: bf16 [k, I] up · x per slot (act holds gate · x), else 0 bytes
   size_t bytes;
   int mt;               // n8 tiles per record, C = 8·mt columns
   int max_records;      // R_max = min(T·k, E) + T·k / C + 1 ≥ Σ_e ceil(c_e / C)
@@ -168,6 +178,7 @@ Workspace workspace_layout(int64_t num_tokens, int top_k, int num_experts, int h
   w.pairs = off;        off = align(off + static_cast<size_t>(w.max_records) * cols * sizeof(int32_t));
   w.act = off;          off = align(off + static_cast<size_t>(pairs) * inter * sizeof(__nv_bfloat16));
   w.d = off;            off = align(off + static_cast<size_t>(pairs) * hidden * sizeof(__nv_bfloat16));
+  w.up = off;           off = align(off + (num_tokens == 1 ? static_cast<size_t>(pairs) * inter * sizeof(__nv_bfloat16) : 0));
   w.bytes = off;
   return w;
 }
@@ -276,13 +287,12 @@ __device__ __forceinline__ uint4 permute_unit(uint4 a) {
 struct Nvfp4Format {
   static constexpr bool kScaled = true;
   // Stages: the persistent CTA streams job after job through one ring, kStages − P positions
-  // ahead of the step it computes (P = KG·CW per step, CW = 2 at MT = 1). MT = 1 (6.5 KB per
-  // stage): down (KG = 1, P = 2) 5 — 3 chunks (14 KB of weights) ahead per CTA and 6 CTAs (36 KB
-  // smem, ≤ 80 registers) = 24 warps per SM: the dequant chains need the warps (w4a16_gemv:
-  // ≈ 9 cycles between a warp's issues), and ≈ 80 KB in flight per SM cover DRAM latency;
-  // gate_up (KG = 2, P = 4) 10 — 6 chunks ahead, 3 CTAs of 8 warps per SM (73 KB each).
+  // ahead of the step it computes (P = CW chunks per step, CW = 2 at MT = 1). MT = 1 (6.5 KB per
+  // stage): 5 — 3 chunks (14 KB of weights) ahead per CTA and 6 CTAs (33 KB smem, ≤ 80
+  // registers) = 24 warps per SM: the dequant chains need the warps (w4a16_gemv: ≈ 9 cycles
+  // between a warp's issues), and ≈ 80 KB in flight per SM cover DRAM latency.
   // MT = 4 (12.5 KB per stage, 8 KB of it activations; CW = 1): 6.
-  __host__ __device__ static constexpr int stages(int mt, int kg) { return mt == 1 ? (kg == 1 ? 5 : 10) : 6; }
+  __host__ __device__ static constexpr int stages(int mt) { return mt == 1 ? 5 : 6; }
   static constexpr int kRowBytes = kChunkK / 2;      // 64 packed bytes
   static constexpr int kScaleBytes = kChunkK / 16;   // 8 e4m3 block scales
   static constexpr int kPieces = kRowBytes / 16;     // 16-byte copies per row per chunk
@@ -312,9 +322,7 @@ struct Nvfp4Format {
 
 struct Bf16Format {
   static constexpr bool kScaled = false;
-  __host__ __device__ static constexpr int stages(int mt, int kg) {     // 4× the weight bytes of NVFP4
-    return kg == 1 ? (mt == 1 ? 4 : 3) : (mt == 1 ? 6 : 4);
-  }
+  __host__ __device__ static constexpr int stages(int mt) { return mt == 1 ? 4 : 3; }   // 4× NVFP4's bytes
   static constexpr int kRowBytes = kChunkK * 2;      // 256
   static constexpr int kScaleBytes = 0;
   static constexpr int kPieces = kRowBytes / 16;     // 16
@@ -347,13 +355,12 @@ __host__ __device__ constexpr StageLayout stage_layout() {
                      rows * (F::kRowBytes + F::kScaleBytes) + 8 * MT * kXRowBytes};
 }
 
-// Resident CTAs per SM the launch bounds ask for: NVFP4 MT = 1 gate_up 3 × 256 threads (≤ 80
-// registers; TW = 2: 4 × 128, as many as 10 stages of smem allow), down 6 × 128 (≤ 80; the smem
-// of 5 stages allows 6); else 2 (MT = 4's 6 stages of 12.5 KB and BF16's 18 KB stages allow no
-// more).
+// Resident CTAs per SM the launch bounds ask for: NVFP4 MT = 1 down 6 × 128 threads (≤ 80
+// registers; the smem of 5 stages allows 6), gate_up 5 (≤ 96: at 80 its segment sums spill
+// 28 bytes); else 2 (MT = 4's 6 stages of 12.5 KB and BF16's 18 KB stages allow no more).
 template <class F>
-__host__ __device__ constexpr int min_blocks(int mt, int kg, int tw) {
-  return F::kScaled && mt == 1 ? (kg == 1 ? 6 : (tw == kWarps ? 3 : 4)) : 2;
+__host__ __device__ constexpr int min_blocks(int mt, bool gate_up) {
+  return F::kScaled && mt == 1 ? (gate_up ? 5 : 6) : 2;
 }
 
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
@@ -385,6 +392,7 @@ struct GroupedGemv {
   int num_pairs;             // T·k
   int num_experts;           // E
   const float* gs[2];        // f32 [E] global scales of a[0], a[1] (NVFP4; down: gs[1] nullptr; BF16: both)
+  int seg_chunks;            // 128-k chunks per K segment: w4a16_gemv's (w4a16_gemv_k_splits(K))
 };
 
 constexpr int kLocalPairs = 32;   // pairs one warp groups (lane = pair)
@@ -425,27 +433,26 @@ struct JobSlot {
   int32_t src[kCols];     // column c's B row: p / top_k (gate_up: the token) | p (down)
 };
 
-// grid (persistent; see the header), block 32·TW·KG. TW tile warps per job (4; gate_up at
-// T·k ≤ 32: 2, jobs of 16 I-rows, so B = 1's 9 experts make 288 jobs for 132 SMs instead of 144).
-// Warp w: tile warp tw = w % TW (local rows 16·tw .. +16), K group kg = w / TW (KG K groups:
-// group kg computes the chunks c ≡ kg mod KG; the partials are summed acc_0 + acc_1 in that
-// order; the job geometry never changes a dot's bits). gate_up: tile tw = 2j is gate rows
+// grid (persistent; see the header), block 32·TW. TW tile warps per job (4; gate_up at
+// T·k ≤ 32: 2, jobs of 16 I-rows). Warp w = tile warp tw: local rows 16·tw .. +16, all K, summed
+// in K segments (p.seg_chunks chunks each: w4a16_gemv's order; the job geometry never changes a
+// dot's bits). gate_up: tile tw = 2j is gate rows
 // n = 8·TW·x + 16j + (0..15), tw = 2j + 1 the up rows of the same n; act[p, n] =
 // bf16(silu(bf16(gate·x)) · bf16(up·x)). down: rows n = 64x + 16·tw + (0..15),
 // d[p, n] = bf16(down·act[p]).
-template <class F, bool kGateUp, int MT, int KG, int TW>
-__global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
+template <class F, bool kGateUp, int MT, int TW>
+__global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
     moe_grouped_gemv_kernel(const __grid_constant__ GroupedGemv p) {
   constexpr StageLayout lay = stage_layout<F, MT, TW>();
   constexpr int kJobRows = TW * kTileN;   // weight rows per job (gate_up: half gate, half up)
-  constexpr int kStages = F::stages(MT, KG);
+  constexpr int kStages = F::stages(MT);
   // chunks a warp computes per step (NVFP4 MT = 1: 2, halving the per-step barrier, cursor and
   // slot work per chunk; a warp still sums its chunks in ascending order: the bits do not change)
   constexpr int CW = F::kScaled && MT == 1 ? 2 : 1;
-  constexpr int kStep = KG * CW;             // positions per step
+  constexpr int kStep = CW;                  // positions per step
   constexpr int kAhead = kStages - kStep;    // positions issued ahead of a step's first
   constexpr int kCols = 8 * MT;
-  constexpr int kCtaThreads = 32 * TW * KG;
+  constexpr int kCtaThreads = 32 * TW;
   static_assert(kCtaThreads >= kJobRows, "thread tid < kJobRows owns the scale bytes of local row tid");
   static_assert(!kGateUp ? TW == kWarps : TW % 2 == 0, "gate_up tiles come in (gate, up) pairs");
   static_assert(kStages >= 2 * kStep, "a step consumes kStep positions and refills kStep stages");
@@ -456,13 +463,13 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
   static_assert(kSlots >= kStages + 2 * kStep + 1, "job slots outlive their readers");
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ JobSlot<kCols> slots[kSlots];
-  __shared__ float part[KG > 1 ? TW * MT * 4 * 32 : 1];                        // [TW warps][MT][4][32 lanes]
   __shared__ float up_s[kGateUp ? TW / 2 : 1][kGateUp ? kTileN : 1][kGateUp ? kCols : 1];   // bf16(up)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int tw = warp % TW, kg = warp / TW;   // tile warp, K group
+  const int tw = warp;   // tile warp
   const uint32_t smem_base = smem_u32(smem);
   const int K = p.k, N = p.n;
   const int nc = ceil_div(K, kChunkK);            // chunks per job
+  const int seg_chunks = p.seg_chunks;            // chunks per K segment (w4a16_gemv's)
   const int nc_pad = ceil_div(nc, kStep) * kStep;   // positions per job
   const bool k_vec = K % kChunkK == 0;
 
@@ -673,7 +680,9 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
     if (acts) issue_acts(st, q.chunk);
   };
 
-  float acc[MT][4];
+  float acc[MT][4];    // the current K segment's partial
+  float done[MT][4];   // 0 + the finished segments' partials, in segment order (w4a16_gemv's sum)
+  int seg_left = 0;    // chunks left in the current segment
   const int row0 = tw * kTileN;   // the warp's tile: local rows row0 .. row0 + 15
   // One chunk on the tensor cores: 4 words × 2 mma steps × the live n8 tiles.
   auto compute_stage = [&](int st, int live_mt) {
@@ -696,44 +705,27 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
     }
   };
 
-  // ---- a job's end: K groups summed (acc_0 + acc_1), y = acc · global_scale · 2^7 (NVFP4) |
-  // acc (BF16) rounded once to bf16; gate_up: the up warp (odd tw) hands bf16(up) to the gate
-  // warp (even tw) of the same rows, which stores act = bf16(silu(g) · u).
+  // ---- a job's end: y = sum · global_scale · 2^7 (NVFP4) | sum (BF16) rounded once to bf16;
+  // gate_up: the up warp (odd tw) hands bf16(up) to the gate warp (even tw) of the same rows,
+  // which stores act = bf16(silu(g) · u).
   auto epilogue = [&](const JobSlot<kCols>& sl, bool live, int stack) {
     const int rows = sl.rows, live_mt = ceil_div(rows, 8);
-    if constexpr (KG == 2) {
-      if (kg == 1 && live) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) part[((tw * MT + mt) * 4 + q) * 32 + lane] = acc[mt][q];
-        }
-      }
-      __syncthreads();
-      if (kg == 0 && live) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) acc[mt][q] += part[((tw * MT + mt) * 4 + q) * 32 + lane];
-        }
-      }
-    }
     const float factor = F::kScaled ? sl.gs[stack] * kOutBias : 1.0f;
     if constexpr (kGateUp) {
-      if (kg == 0 && live && stack == 1) {
+      if (live && stack == 1) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           if (mt >= live_mt) break;
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
             up_s[tw / 2][g + 8 * (q >> 1)][8 * mt + 2 * t + (q & 1)] =
-                __bfloat162float(__float2bfloat16(acc[mt][q] * factor));
+                __bfloat162float(__float2bfloat16(done[mt][q] * factor));
           }
         }
       }
       __syncthreads();
     }
-    if (kg == 0 && live && stack == 0) {
+    if (live && stack == 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if (mt >= live_mt) break;
@@ -747,11 +739,11 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
           // order permute_unit gives (x0, x4, x1, x5, …): n % 8 = g → 2g (g < 4) | 2g − 7
           const int n_out = kGateUp ? n - g + (g < 4 ? 2 * g : 2 * g - 7) : n;
           __nv_bfloat16* dst = p.out + static_cast<int64_t>(sl.pair[col]) * N + n_out;
-          const float v = __bfloat162float(__float2bfloat16(acc[mt][q] * factor));
+          const float v = __bfloat162float(__float2bfloat16(done[mt][q] * factor));
           if constexpr (kGateUp) {
             *dst = __float2bfloat16(v / (1.0f + expf(-v)) * up_s[tw / 2][r][col]);
           } else {
-            *dst = __float2bfloat16(acc[mt][q] * factor);
+            *dst = __float2bfloat16(done[mt][q] * factor);
           }
         }
       }
@@ -784,7 +776,7 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
     }
   }
 
-  // ---- steps: compute positions cs + kg + KG·w (w < CW), issue positions is + j (j < kStep),
+  // ---- steps: compute positions cs + d (d < CW), issue positions is + j (j < kStep),
   // is = cs + kAhead ----
   Pos cs{0, 0, 0};   // compute cursor (chunk a multiple of kStep)
   while (cs.job < my_jobs) {
@@ -809,14 +801,27 @@ __global__ void __launch_bounds__(32 * TW * KG, min_blocks<F>(MT, KG, TW))
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) acc[mt][q] = 0.0f;
+        for (int q = 0; q < 4; ++q) acc[mt][q] = done[mt][q] = 0.0f;
       }
+      seg_left = seg_chunks;
     }
 #pragma unroll
-    for (int w = 0; w < CW; ++w) {   // this warp's chunks of the step, ascending
-      const int d = kg + KG * w;
+    for (int d = 0; d < CW; ++d) {   // the step's chunks, ascending
       const int st = cs.stage + d < kStages ? cs.stage + d : cs.stage + d - kStages;
-      if (live && cs.chunk + d < nc) compute_stage(st * lay.bytes, ceil_div(sl.rows, 8));
+      if (live && cs.chunk + d < nc) {
+        compute_stage(st * lay.bytes, ceil_div(sl.rows, 8));
+        if (--seg_left == 0 || cs.chunk + d + 1 == nc) {   // a K segment ends: done += its partial
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              done[mt][q] += acc[mt][q];
+              acc[mt][q] = 0.0f;
+            }
+          }
+          seg_left = seg_chunks;
+        }
+      }
     }
     const bool last = cs.chunk + kStep == nc_pad;   // CTA-uniform: the job's last step
     if (last) epilogue(sl, live, stack);
@@ -908,21 +913,14 @@ bool local_grouping(int64_t num_tokens, int top_k) {
 
 constexpr int kMaxDevices = 64;   // per-device bookkeeping
 
-// K groups per CTA: gate_up 2 (B = 1 has few gate_up jobs for 132 SMs, so a warp's 16-chunk
-// dequant chain halves), down 1 (I = 512 is only 4 chunks). A function of the role only, never
-// of T: the K order of a dot must not depend on the batch.
-constexpr int kGateUpKGroups = 2;
-constexpr int kDownKGroups = 1;
-
 // Persistent grid: every CTA that fits the device at once (SMs × resident CTAs per SM for this
 // instance and smem), at most jobs_bound. Queried once per device and instance (later calls,
 // e.g. under graph capture, make no attribute call).
 template <class F, bool kGateUp, int MT, int TW>
 cudaError_t launch_grouped_gemv(const GroupedGemv& p, int jobs_bound, cudaStream_t stream) {
-  constexpr int kg = kGateUp ? kGateUpKGroups : kDownKGroups;
-  constexpr int threads = 32 * TW * kg;
-  auto kernel = moe_grouped_gemv_kernel<F, kGateUp, MT, kg, TW>;
-  constexpr int smem = F::stages(MT, kg) * stage_layout<F, MT, TW>().bytes;
+  constexpr int threads = 32 * TW;
+  auto kernel = moe_grouped_gemv_kernel<F, kGateUp, MT, TW>;
+  constexpr int smem = F::stages(MT) * stage_layout<F, MT, TW>().bytes;
   static int resident[kMaxDevices] = {};   // CTAs of this instance the device holds at once
   int dev = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
@@ -940,6 +938,80 @@ cudaError_t launch_grouped_gemv(const GroupedGemv& p, int jobs_bound, cudaStream
   return launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), static_cast<size_t>(smem), stream, p);
 }
 
+// 128-k chunks per K segment of w4a16_gemv at this K: the grouped GEMVs sum their segment
+// partials in its order, so a pair's dot is bitwise the one-row GEMV's (launch_one_token).
+int segment_chunks(int k) {
+  const int chunks = ceil_div(k, kChunkK);
+  return ceil_div(chunks, w4a16_gemv_k_splits(k));
+}
+
+// 4. out[t] = Σ_j weights[t, j] · d[t·k + j] (+ the shared-expert term).
+cudaError_t launch_combine(const MoeExpertsArgs& a, const __nv_bfloat16* d, cudaStream_t stream) {
+  return launch_pdl(moe_combine_kernel,
+                    dim3(static_cast<unsigned>(ceil_div(a.hidden, kCombineThreads * kCombineVec)),
+                         static_cast<unsigned>(a.num_tokens)),
+                    dim3(kCombineThreads), 0, stream, d, a.ids, a.weights,
+                    static_cast<const __nv_bfloat16*>(a.shared), static_cast<const __nv_bfloat16*>(a.shared_gate),
+                    a.shared_gate_stride, a.out_bf16, a.out, a.top_k, a.num_experts, a.hidden);
+}
+
+// T = 1, NVFP4, h and I multiples of 128: the k slots through w4a16_gemv's one-row kernel, expert-
+// indexed (W4A16GemvSlots: slot j runs expert ids[j], read on the device) — gate and up as one
+// dual launch (g → act, u → up), down as its silu variant over (g_j, u_j) → d — then the combine.
+// Three launches with no grouping; the grouped kernels' jobs are latency-bound at one token
+// (9 experts of 35B-A3B: 23.8 µs vs the 7 µs a 576-tile one-row GEMV takes, bench/NOTES.md).
+// Same bits as the grouped path: the grouped GEMVs sum in the one-row kernel's segment order and
+// store g, u, act and d with the same roundings (tested: one token alone == inside a batch).
+bool one_token_path(const MoeExpertsArgs& a) {
+  return a.num_tokens == 1 && a.nvfp4 && a.hidden % kChunkK == 0 && a.inter % kChunkK == 0;
+}
+
+cudaError_t launch_one_token(const MoeExpertsArgs& a, const Workspace& ws, cudaStream_t stream) {
+  uint8_t* base = static_cast<uint8_t*>(a.workspace);
+  auto* g = reinterpret_cast<__nv_bfloat16*>(base + ws.act);   // [k, I]
+  auto* u = reinterpret_cast<__nv_bfloat16*>(base + ws.up);    // [k, I]
+  auto* d = reinterpret_cast<__nv_bfloat16*>(base + ws.d);     // [k, h]
+  const int64_t h = a.hidden, inter = a.inter;
+  auto weight = [](const ExpertStack& s, void* out, int n) {
+    W4A16GemvWeight w;
+    w.packed = static_cast<const uint8_t*>(s.weight);
+    w.block_scale = s.block_scale;
+    w.global_scale = s.global_scale;
+    w.out = out;
+    w.n = n;
+    return w;
+  };
+  W4A16GemvArgs gate_up;
+  gate_up.x = a.x;
+  gate_up.m = 1;
+  gate_up.k = a.hidden;
+  gate_up.num_weights = 2;
+  gate_up.w[0] = weight(a.gate, g, a.inter);
+  gate_up.w[1] = weight(a.up, u, a.inter);
+  gate_up.slots.ids = a.ids;
+  gate_up.slots.count = a.top_k;
+  gate_up.slots.num_experts = a.num_experts;
+  gate_up.slots.packed_stride[0] = gate_up.slots.packed_stride[1] = inter * h / 2;
+  gate_up.slots.scale_stride[0] = gate_up.slots.scale_stride[1] = inter * h / 16;
+  gate_up.slots.out_stride = inter;
+  ATLAS_RETURN_IF_ERROR(launch_w4a16_gemv(gate_up, stream));
+  W4A16GemvArgs down;
+  down.x = g;
+  down.x2 = u;
+  down.act = GemvAct::kSiluMul;
+  down.m = 1;
+  down.k = a.inter;
+  down.w[0] = weight(a.down, d, a.hidden);
+  down.slots = gate_up.slots;
+  down.slots.packed_stride[0] = h * inter / 2;
+  down.slots.scale_stride[0] = h * inter / 16;
+  down.slots.x_stride = inter;
+  down.slots.out_stride = h;
+  down.slots.ids_ready = true;   // gate_up's CTAs trigger only after waiting for the ids' producer
+  ATLAS_RETURN_IF_ERROR(launch_w4a16_gemv(down, stream));
+  return launch_combine(a, d, stream);
+}
+
 template <class F>
 cudaError_t launch_typed(const MoeExpertsArgs& a, const Records& rec, const Workspace& ws, cudaStream_t stream) {
   uint8_t* base = static_cast<uint8_t*>(a.workspace);
@@ -953,23 +1025,19 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, const Records& rec, const Work
   const GroupedGemv gate_up{static_cast<const __nv_bfloat16*>(a.x), {a.gate, a.up}, rec.count, rec.info,
                             rec.pairs, act, a.inter, a.hidden, a.top_k, gate_up_tiles,
                             local, a.ids, pairs, a.num_experts,
-                            {F::kScaled ? a.gate.global_scale : nullptr, F::kScaled ? a.up.global_scale : nullptr}};
+                            {F::kScaled ? a.gate.global_scale : nullptr, F::kScaled ? a.up.global_scale : nullptr},
+                            segment_chunks(a.hidden)};
   const int gate_up_jobs = ws.max_records * gate_up_tiles;
   ATLAS_RETURN_IF_ERROR((local ? launch_grouped_gemv<F, true, 1, kLocalGateUpWarps>(gate_up, gate_up_jobs, stream)
                          : ws.mt == 1 ? launch_grouped_gemv<F, true, 1, kWarps>(gate_up, gate_up_jobs, stream)
                                       : launch_grouped_gemv<F, true, kMaxMT, kWarps>(gate_up, gate_up_jobs, stream)));
   const GroupedGemv down{act, {a.down, a.down}, rec.count, rec.info, rec.pairs, d, a.hidden, a.inter, a.top_k,
                          down_tiles, local, a.ids, pairs, a.num_experts,
-                         {F::kScaled ? a.down.global_scale : nullptr, nullptr}};
+                         {F::kScaled ? a.down.global_scale : nullptr, nullptr}, segment_chunks(a.inter)};
   const int down_jobs = ws.max_records * down_tiles;
   ATLAS_RETURN_IF_ERROR((ws.mt == 1 ? launch_grouped_gemv<F, false, 1, kWarps>(down, down_jobs, stream)
                                     : launch_grouped_gemv<F, false, kMaxMT, kWarps>(down, down_jobs, stream)));
-  return launch_pdl(moe_combine_kernel,
-                    dim3(static_cast<unsigned>(ceil_div(a.hidden, kCombineThreads * kCombineVec)),
-                         static_cast<unsigned>(a.num_tokens)),
-                    dim3(kCombineThreads), 0, stream, static_cast<const __nv_bfloat16*>(d), a.ids, a.weights,
-                    static_cast<const __nv_bfloat16*>(a.shared), static_cast<const __nv_bfloat16*>(a.shared_gate),
-                    a.shared_gate_stride, a.out_bf16, a.out, a.top_k, a.num_experts, a.hidden);
+  return launch_combine(a, d, stream);
 }
 
 bool sizes_ok(int64_t num_tokens, int top_k, int num_experts, int hidden, int inter) {
@@ -1001,6 +1069,7 @@ cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
     }
   }
   const Workspace ws = workspace_layout(a.num_tokens, a.top_k, a.num_experts, a.hidden, a.inter);
+  if (one_token_path(a)) return launch_one_token(a, ws, stream);
   uint8_t* base = static_cast<uint8_t*>(a.workspace);
   const Records rec{reinterpret_cast<int32_t*>(base + ws.num_records),
                     reinterpret_cast<int2*>(base + ws.info),

@@ -671,7 +671,8 @@ __host__ __device__ inline int m1_cta_chunks(const SplitPlan& plan, int num_chun
   return plan.warp_splits > 1 ? num_chunks : plan.seg_chunks * plan.segs_per_cta;
 }
 
-template <GemvAct kAct>
+// kIndexed: an expert-indexed launch (args.slots, W4A16GemvSlots; moe_experts at T = 1).
+template <GemvAct kAct, bool kIndexed>
 __global__ void __launch_bounds__((kAct == GemvAct::kPlain ? kMaxWarpsM1 : kMaxWarps) * 32)
 w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
                      int groups0,            // row groups of weight 0 (the rest belong to weight 1)
@@ -682,9 +683,34 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int warps = nthreads / 32, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int splits = gridDim.x, split = blockIdx.x;
-  const int wi = blockIdx.y < groups0 ? 0 : 1;
-  const W4A16GemvWeight& wt = args.w[wi];
-  const int group = blockIdx.y - (wi ? groups0 : 0);
+  // Expert-indexed launch (W4A16GemvSlots): blockIdx.y = slot · (row groups per slot) + group.
+  const int per_slot = kIndexed ? gridDim.y / args.slots.count : gridDim.y;
+  const int slot = kIndexed ? blockIdx.y / per_slot : 0;
+  const int by = blockIdx.y - slot * per_slot;
+  const int wi = by < groups0 ? 0 : 1;
+  const int group = by - (wi ? groups0 : 0);
+  const __nv_bfloat16* x_row = static_cast<const __nv_bfloat16*>(args.x);
+  const __nv_bfloat16* x2_row = static_cast<const __nv_bfloat16*>(args.x2);
+  W4A16GemvWeight slot_w;                    // kIndexed: slot `slot`'s expert of args.w[wi]
+  const W4A16GemvWeight* wp = &args.w[wi];
+  if constexpr (kIndexed) {   // the ids come from an earlier kernel: wait first unless ids_ready
+    if (!args.slots.ids_ready) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    const int e = args.slots.ids[slot];
+    if (e < 0 || e >= args.slots.num_experts) {   // CTA-uniform: the slot is skipped
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");   // (every CTA waits before it exits)
+      return;
+    }
+    slot_w = args.w[wi];
+    slot_w.packed += e * args.slots.packed_stride[wi];
+    slot_w.block_scale += e * args.slots.scale_stride[wi];
+    slot_w.global_scale += e;
+    slot_w.out = static_cast<uint8_t*>(slot_w.out) +
+                 slot * args.slots.out_stride * (args.out_dtype == DType::kF32 ? 4 : 2);
+    wp = &slot_w;
+    x_row += slot * args.slots.x_stride;
+    if constexpr (kRaw) x2_row += slot * args.slots.x_stride;
+  }
+  const W4A16GemvWeight& wt = *wp;
   const int K = args.k, n_rows = wt.n;
   // Warp split (plan.warp_splits = S > 1): warp w computes tile w / S over segments
   // [(w % S)·spc, (w % S + 1)·spc) (spc = plan.segs_per_cta); the CTA stages all of K.
@@ -752,10 +778,8 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   // Activations through registers (L2-cached loads, 4 units per thread in flight), permuted or
   // converted, stored to their slots: no cp.async group to wait for, so the weight chunks
   // above keep streaming and the main loop starts as soon as its first chunk lands.
-  const uint4* x = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(args.x) +
-                                                  static_cast<int64_t>(c_begin) * kChunkK);
-  const uint4* x2 = kRaw ? reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(args.x2) +
-                                                          static_cast<int64_t>(c_begin) * kChunkK)
+  const uint4* x = reinterpret_cast<const uint4*>(x_row + static_cast<int64_t>(c_begin) * kChunkK);
+  const uint4* x2 = kRaw ? reinterpret_cast<const uint4*>(x2_row + static_cast<int64_t>(c_begin) * kChunkK)
                          : nullptr;
   constexpr int kUnitBatch = 4;
   const int units = cta_chunks * kXUnits;                       // unit i: chunk i / 16, unit i % 16
@@ -933,8 +957,16 @@ int m1_smem(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, const SplitP
 template <GemvAct kAct>
 cudaError_t launch_m1(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0, SplitPlan plan, int smem,
                       cudaStream_t stream) {
+  if (a.slots.ids != nullptr) {   // expert-indexed: plain (gate+up) and silu (down) only
+    if constexpr (kAct == GemvAct::kSigmoidGate) {
+      return cudaErrorInvalidValue;
+    } else {
+      static int opted_in[kMaxDevices] = {};
+      return launch_kernel(w4a16_gemv_m1_kernel<kAct, true>, opted_in, a, grid, warps, groups0, plan, smem, stream);
+    }
+  }
   static int opted_in[kMaxDevices] = {};
-  return launch_kernel(w4a16_gemv_m1_kernel<kAct>, opted_in, a, grid, warps, groups0, plan, smem, stream);
+  return launch_kernel(w4a16_gemv_m1_kernel<kAct, false>, opted_in, a, grid, warps, groups0, plan, smem, stream);
 }
 
 template <int MT, GemvAct kAct>
@@ -1015,6 +1047,19 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     }
     if (w.tiled && !(aligned(w.packed, 16) && aligned(w.block_scale, 8))) return cudaErrorMisalignedAddress;
   }
+  const bool indexed = a.slots.ids != nullptr;
+  if (indexed) {   // the one-row kernel only (checked again once the plan is made)
+    if (a.m != 1 || a.slots.count < 1 || a.slots.num_experts < 1 || a.slots.x_stride < 0 ||
+        a.slots.out_stride < 0 || a.slots.x_stride % 8 != 0) {
+      return cudaErrorInvalidValue;
+    }
+    for (int i = 0; i < a.num_weights; ++i) {
+      if (a.w[i].tiled || a.slots.packed_stride[i] % 16 != 0 || a.slots.scale_stride[i] % 8 != 0 ||
+          a.slots.packed_stride[i] < 0 || a.slots.scale_stride[i] < 0) {
+        return cudaErrorInvalidValue;
+      }
+    }
+  }
   const int segs = w4a16_gemv_k_splits(a.k);
   const int chunks = (a.k + kChunkK - 1) / kChunkK;
   const int seg_chunks = (chunks + segs - 1) / segs;
@@ -1031,8 +1076,9 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   if (sm_count[dev] == 0) {
     ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
   }
-  int tiles = 0;
+  int tiles = 0;   // of the whole launch (every slot)
   for (int i = 0; i < a.num_weights; ++i) tiles += ceil_div(a.w[i].n, kTileN);
+  if (indexed) tiles *= a.slots.count;
   const int sms = sm_count[dev];
   // The staged kernel's tiles per warp (kTpwMinTilesPerSm): two at M > 16, except plain
   // activations over fewer than 2 tiles per SM, where halving the warp work items costs more.
@@ -1090,6 +1136,9 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
       splits = 1;
     }
   }
+  // Expert-indexed (moe_experts at T = 1): no cluster — a slot's few tiles per SM are latency-
+  // bound, and the cluster's sync is ≈ 1.6 µs (v3.5 probe); one CTA over all of K instead.
+  if (indexed && splits > 1) splits = 1;
   SplitPlan plan{seg_chunks, splits == 1 ? segs : segs / splits, segs};
   plan.tiles_per_warp = tpw;
   if (warp_splits > 1) {
@@ -1098,9 +1147,11 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   }
   const int cta_rows = warps / warp_splits * tpw * kTileN;
   const int groups0 = ceil_div(a.w[0].n, cta_rows);
-  const int groups = groups0 + (a.num_weights == 2 ? ceil_div(a.w[1].n, cta_rows) : 0);
+  const int groups = (groups0 + (a.num_weights == 2 ? ceil_div(a.w[1].n, cta_rows) : 0)) *
+                     (indexed ? a.slots.count : 1);
   if (groups > 65535) return cudaErrorInvalidValue;
   const dim3 grid(splits, groups);
+  if (indexed && m1_smem(a, vec, grid, warps, plan) == 0) return cudaErrorInvalidValue;
 
   W4A16GemvArgs args = a;
   if (raw && args.x2_stride == 0) args.x2_stride = a.k;   // contiguous rows

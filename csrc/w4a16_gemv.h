@@ -43,6 +43,27 @@ enum class GemvAct : int {
                      // output, x2 = the gate (csrc/sigmoid_gate.cu's expression)
 };
 
+// An expert-indexed launch (moe_experts at T = 1, csrc/moe_experts.cu): each weight is a stack of
+// experts [E, n, K] (checkpoint layout, expert e at packed + e·packed_stride, block_scale +
+// e·scale_stride, global_scale + e) and the launch runs `count` one-row GEMVs, slot j with expert
+// ids[j] (read on the device, after griddepcontrol.wait unless ids_ready: no host sync), its x
+// (and x2) row at x + j·x_stride, its outputs at w[i].out + j·out_stride. A slot whose id is outside
+// [0, num_experts) is skipped: its outputs are left unwritten. M = 1 on the vector path only (the
+// one-row kernel, w4a16_gemv_m1_kernel); each slot's rows are bitwise an ordinary launch's.
+struct W4A16GemvSlots {
+  const int32_t* ids = nullptr;   // [count] int32 on the device; nullptr: an ordinary launch
+  int count = 0;                  // slots, ≥ 1
+  int num_experts = 0;            // E of the stacks
+  int64_t packed_stride[2] = {};  // bytes between experts of w[i].packed (n·K/2)
+  int64_t scale_stride[2] = {};   // bytes between experts of w[i].block_scale (n·K/16)
+  int64_t x_stride = 0;           // elements between the slots' x (and x2) rows; 0: one shared x
+  int64_t out_stride = 0;         // elements between the slots' output rows
+  bool ids_ready = false;         // the ids were complete before this grid could launch (the
+                                  // previous kernel triggers its dependents only after waiting for
+                                  // the ids' producer): read them, and issue the weight prologue,
+                                  // before griddepcontrol.wait
+};
+
 struct W4A16GemvArgs {
   const void* x = nullptr;    // [M, K] bf16, contiguous, 16-byte aligned: the activation, silu's
                               // gate or the gated attention output (act)
@@ -56,6 +77,7 @@ struct W4A16GemvArgs {
   int m = 0;                  // rows of x, 1..32
   int k = 0;                  // K, a multiple of 16
   DType out_dtype = DType::kBF16;  // kBF16 | kF32, for every output
+  W4A16GemvSlots slots;       // expert-indexed launch (slots.ids != nullptr), see above
 };
 
 // Segments of K (≤ 8): a function of K only (never of M or N). A row's result is the f32 sum

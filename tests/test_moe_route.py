@@ -187,7 +187,8 @@ def test_moe_experts_kernel_batch_invariant(fmt):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("h,inter", [(96, 32), (256, 64), (384, 160)])   # K % 128 != 0: the K-tail paths
+@pytest.mark.parametrize("h,inter", [(96, 32), (256, 64), (384, 160),   # K % 128 != 0: the K-tail paths
+                                     (256, 128)])   # one token: the one-row GEMV path (NVFP4)
 def test_moe_experts_kernel_repeated_and_invalid_ids(fmt, h, inter):
     """Rows that name one expert several times (a group of up to T·k pairs: several column
     passes at T·k > 32) and ids outside [0, E) (skipped), vs the reference."""
@@ -214,6 +215,11 @@ def test_moe_experts_kernel_repeated_and_invalid_ids(fmt, h, inter):
     wf = torch.rand(4, 8, generator=g)
     ref = ops.moe_experts(xf, few, wf, gate, up, down)
     out = ops.moe_experts(xf.cuda(), few.cuda(), wf.cuda(), _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda"))
+    assert rel_err(out.cpu(), ref) < 5e-3
+    one = torch.tensor([[e, 0, -1, 2, 2, e + 3]], dtype=torch.int32)       # one token (h, I % 128 == 0 at
+    x1, w1 = xf[:1], wf[:1, :6].contiguous()                                # NVFP4: the one-row GEMV path)
+    ref = ops.moe_experts(x1, one, w1, gate, up, down)
+    out = ops.moe_experts(x1.cuda(), one.cuda(), w1.cuda(), _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda"))
     assert rel_err(out.cpu(), ref) < 5e-3
 
 
@@ -270,18 +276,19 @@ def test_moe_experts_kernel_rejects_misaligned_x():
 
 
 @pytest.mark.cuda
-def test_moe_experts_kernel_graph_replay():
-    g = _gen("experts-graph")
-    (gate, up, down), _ = _stacks(g, 8, 64, 128, "nvfp4")
+@pytest.mark.parametrize("t", [1, 4])   # 1: the expert-indexed one-row GEMV path
+def test_moe_experts_kernel_graph_replay(t):
+    g = _gen("experts-graph", t)
+    (gate, up, down), _ = _stacks(g, 8, 128, 256, "nvfp4")
     gate, up, down = _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda")
-    x = torch.randn(4, 128, generator=g).bfloat16().cuda()
-    ids = torch.randint(0, 8, (4, 2), generator=g).int().cuda()
-    w = torch.rand(4, 2, generator=g).cuda()
+    x = torch.randn(t, 256, generator=g).bfloat16().cuda()
+    ids = torch.randint(0, 8, (t, 2), generator=g).int().cuda()
+    w = torch.rand(t, 2, generator=g).cuda()
     ops.moe_experts(x, ids, w, gate, up, down)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ops.moe_experts(x, ids, w, gate, up, down)
-    ids.copy_(torch.randint(0, 8, (4, 2), generator=g).int())
+    ids.copy_(torch.randint(0, 8, (t, 2), generator=g).int())
     graph.replay()
     assert torch.equal(out, ops.moe_experts(x, ids, w, gate, up, down))
 
@@ -355,14 +362,15 @@ def test_moe_route_kernel_strided_logits():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_moe_experts_kernel_shared_epilogue(fmt):
-    g = _gen("experts-shared-cuda", fmt)
+@pytest.mark.parametrize("t", [1, 4])
+def test_moe_experts_kernel_shared_epilogue(fmt, t):
+    g = _gen("experts-shared-cuda", fmt, t)
     (gate, up, down), _ = _stacks(g, 16, 512, 2048, fmt)
-    x = torch.randn(4, 2048, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(16, generator=g)[:8] for _ in range(4)]).int()
-    w = torch.rand(4, 8, generator=g)
-    shared = torch.randn(4, 2048, generator=g).bfloat16()
-    logits = torch.randn(4, 17, generator=g).bfloat16()
+    x = torch.randn(t, 2048, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(16, generator=g)[:8] for _ in range(t)]).int()
+    w = torch.rand(t, 8, generator=g)
+    shared = torch.randn(t, 2048, generator=g).bfloat16()
+    logits = torch.randn(t, 17, generator=g).bfloat16()
     ref = ops.moe_experts(x, ids, w, gate, up, down, shared=shared, shared_gate=logits[:, 16])
     dev = [t.cuda() for t in (x, ids, w, shared, logits)]
     out = ops.moe_experts(dev[0], dev[1], dev[2], _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda"),

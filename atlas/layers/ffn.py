@@ -16,8 +16,9 @@ Routing never leaves the GPU: router logits → `ops.moe_route` → fixed-size i
 weights f32 [T, k], and the experts run over those index tensors (see `ExpertBank`), so the
 whole block is CUDA-graph capturable. On CUDA with BF16 or NVFP4 experts the block is six
 launches: the [router | shared gate] GEMV, moe_route (which also emits the shared expert — stored
-as expert E — as slot k of every row, weight sigmoid(gate)), and moe_experts' four kernels (group
-the pairs by expert, gate+up, down, combine).
+as expert E — as slot k of every row, weight sigmoid(gate)), and moe_experts' kernels (group
+the pairs by expert, gate+up, down, combine; one NVFP4 token: the expert-indexed one-row GEMV
+for gate+up and down, then the combine — the same bits).
 Precision: expert and shared-expert outputs are BF16 (as
 each projection's output is), their weighted sum is accumulated in float32 and rounded to BF16
 once; the router logits are BF16 (the projection's output, as in HF) and are softmaxed in fp32.
@@ -179,7 +180,7 @@ class ExpertBank:
     Device-only strategies (none reads the ids on the host, all graph-capturable):
       "kernel": ops.moe_experts — pairs grouped by expert on the device, then tensor-core
                 grouped GEMVs that read each expert hit once for all its (row, slot) pairs
-                straight from the BF16 or NVFP4 stack (four launches; the default on CUDA for
+                straight from the BF16 or NVFP4 stack (three or four launches; the default on CUDA for
                 those formats). The torch strategies below serve FP8 stacks and the CPU.
       "gather": dequantize/gather the T·k selected experts' weights and run batched GEMVs —
                 reads T·k experts (plus the copy); right when T·k is small (decode, B = 1).
@@ -371,7 +372,7 @@ class SparseMoE:
         path = path or self.experts._default_path(x, t, self.top_k)
         if path == "kernel" and self.experts.has_shared_slot:
             # shared expert = slot k of every row: 6 launches for the whole block (router GEMV,
-            # moe_route, moe_experts' four kernels)
+            # moe_route, moe_experts' three or four kernels)
             ids, w = ops.moe_route(logits, self.top_k, self.renormalize, shared_slot=True)
             return self.experts(x, ids, w, path=path, out_dtype=torch.bfloat16)
         ids, w = self.route(x, logits)
