@@ -465,7 +465,7 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
   __shared__ JobSlot<kCols> slots[kSlots];
   __shared__ float up_s[kGateUp ? TW / 2 : 1][kGateUp ? kTileN : 1][kGateUp ? kCols : 1];   // bf16(up)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int tw = warp;   // tile warp
+  const int tw = warp;   // tile warp (one 16-row tile per warp)
   const uint32_t smem_base = smem_u32(smem);
   const int K = p.k, N = p.n;
   const int nc = ceil_div(K, kChunkK);            // chunks per job
@@ -938,13 +938,6 @@ cudaError_t launch_grouped_gemv(const GroupedGemv& p, int jobs_bound, cudaStream
   return launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), static_cast<size_t>(smem), stream, p);
 }
 
-// 128-k chunks per K segment of w4a16_gemv at this K: the grouped GEMVs sum their segment
-// partials in its order, so a pair's dot is bitwise the one-row GEMV's (launch_one_token).
-int segment_chunks(int k) {
-  const int chunks = ceil_div(k, kChunkK);
-  return ceil_div(chunks, w4a16_gemv_k_splits(k));
-}
-
 // 4. out[t] = Σ_j weights[t, j] · d[t·k + j] (+ the shared-expert term).
 cudaError_t launch_combine(const MoeExpertsArgs& a, const __nv_bfloat16* d, cudaStream_t stream) {
   return launch_pdl(moe_combine_kernel,
@@ -1026,14 +1019,14 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, const Records& rec, const Work
                             rec.pairs, act, a.inter, a.hidden, a.top_k, gate_up_tiles,
                             local, a.ids, pairs, a.num_experts,
                             {F::kScaled ? a.gate.global_scale : nullptr, F::kScaled ? a.up.global_scale : nullptr},
-                            segment_chunks(a.hidden)};
+                            w4a16_gemv_segment_chunks(a.hidden)};
   const int gate_up_jobs = ws.max_records * gate_up_tiles;
   ATLAS_RETURN_IF_ERROR((local ? launch_grouped_gemv<F, true, 1, kLocalGateUpWarps>(gate_up, gate_up_jobs, stream)
                          : ws.mt == 1 ? launch_grouped_gemv<F, true, 1, kWarps>(gate_up, gate_up_jobs, stream)
                                       : launch_grouped_gemv<F, true, kMaxMT, kWarps>(gate_up, gate_up_jobs, stream)));
   const GroupedGemv down{act, {a.down, a.down}, rec.count, rec.info, rec.pairs, d, a.hidden, a.inter, a.top_k,
                          down_tiles, local, a.ids, pairs, a.num_experts,
-                         {F::kScaled ? a.down.global_scale : nullptr, nullptr}, segment_chunks(a.inter)};
+                         {F::kScaled ? a.down.global_scale : nullptr, nullptr}, w4a16_gemv_segment_chunks(a.inter)};
   const int down_jobs = ws.max_records * down_tiles;
   ATLAS_RETURN_IF_ERROR((ws.mt == 1 ? launch_grouped_gemv<F, false, 1, kWarps>(down, down_jobs, stream)
                                     : launch_grouped_gemv<F, false, kMaxMT, kWarps>(down, down_jobs, stream)));

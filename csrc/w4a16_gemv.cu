@@ -1023,6 +1023,11 @@ int w4a16_gemv_k_splits(int k) {
   return s;
 }
 
+int w4a16_gemv_segment_chunks(int k) {
+  const int chunks = (k + kChunkK - 1) / kChunkK, segs = w4a16_gemv_k_splits(k);
+  return (chunks + segs - 1) / segs;
+}
+
 cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   if (a.m < 1 || a.m > kW4A16GemvMaxRows || a.k < 16 || a.k % 16 != 0) return cudaErrorInvalidValue;
   if (a.num_weights != 1 && a.num_weights != 2) return cudaErrorInvalidValue;
@@ -1062,7 +1067,7 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   }
   const int segs = w4a16_gemv_k_splits(a.k);
   const int chunks = (a.k + kChunkK - 1) / kChunkK;
-  const int seg_chunks = (chunks + segs - 1) / segs;
+  const int seg_chunks = w4a16_gemv_segment_chunks(a.k);
 
   // Splits and warps (16-row tiles) per CTA; numerics depend on neither (SplitPlan). Splits:
   // the fewest of 1 (no cluster: one CTA streams all of K, its setup amortized over up to 40

@@ -85,6 +85,9 @@ struct W4A16GemvArgs {
 // (chosen from N), so it is bitwise the same in every M, for every n_rows prefix, in the dual
 // launch and in the single one.
 int w4a16_gemv_k_splits(int k);
+// 128-k chunks per segment: ceil(ceil(K / 128) / w4a16_gemv_k_splits(K)); the last segments may be
+// short or empty. moe_experts sums its dots in these segments too (the same bits as this GEMV).
+int w4a16_gemv_segment_chunks(int k);
 
 // One launch on `stream` (a thread-block cluster when K is split). Never syncs; capturable.
 // Errors: cudaErrorInvalidValue for bad sizes/pointers/strides (x2 given iff act != kPlain),
