@@ -533,7 +533,7 @@ def paged_decode_max_splits(capacity: int, num_kv_heads: int) -> int:
 def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                  seq_lens: Tensor, softmax_scale: float, k_scale: Optional[Tensor] = None,
                  v_scale: Optional[Tensor] = None, *, return_lse: bool = False,
-                 out: Optional[Tensor] = None):
+                 out: Optional[Tensor] = None, gate: Optional[Tensor] = None):
     """Causal GQA attention of each sequence's q_len newest tokens over its paged KV cache.
 
     Query token j ∈ [0, q_len) of sequence b sits at position seq_lens[b] − q_len + j and
@@ -560,9 +560,15 @@ def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
             None for a BF16 cache.
         return_lse: also return lse.
         out: optional bf16 output, contiguous, shaped like query; written and returned.
+        gate: optional bf16 output gate shaped like query (Qwen3-Next gated attention): out is
+            then sigmoid_gate_mul(attention, gate), bit for bit, in the same launches (one
+            fewer than the two ops). Last dim contiguous, 16-byte aligned, other strides any
+            multiple of 8 (e.g. the G half of the de-interleaved q_proj output, or the gate
+            half of per-head [q | gate] rows).
     Returns:
         out bf16 [B, (q_len,) nq, hd] shaped like query; with return_lse also lse float32
-        [B, (q_len,) nq], the natural-log logsumexp of the scaled scores.
+        [B, (q_len,) nq], the natural-log logsumexp of the scaled scores (of the attention,
+        not affected by gate).
     Raises:
         TypeError: a wrong dtype, or softmax_scale not a Python number. ValueError: wrong
             shapes, strides, devices, head_dim, q_len, nq % nkv, a missing or unexpected
@@ -628,6 +634,16 @@ def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
     if out is not None:
         check_tensor(op, "out", out, dtype=torch.bfloat16, shape=tuple(query.shape), device=dev,
                      contiguous=True, what="bf16 shaped like query, contiguous")
+    if gate is not None:
+        check_tensor(op, "gate", gate, dtype=torch.bfloat16, shape=tuple(query.shape), device=dev,
+                     what="bf16 shaped like query")
+        g4 = gate if gate.dim() == 4 else gate.unsqueeze(1)
+        strides = [g4.stride(i) for i in range(3) if g4.shape[i] > 1]   # a size-1 dim's stride is unused
+        if (g4.stride(3) != 1 or any(st % 8 != 0 or st < 0 for st in strides)
+                or (g4.storage_offset() * 2) % 16 != 0):
+            raise ValueError(f"{op}: gate must have a contiguous last dim, strides that are multiples of "
+                             f"8 and a 16-byte aligned start, got strides {gate.stride()}, storage offset "
+                             f"{gate.storage_offset()}")
     if not seq_lens.is_cuda and not block_tables.is_cuda:   # CUDA tensors would need a sync
         _check_paged_decode_indices(op, block_tables, seq_lens, bs, num_blocks)
 
@@ -635,11 +651,14 @@ def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
         if out is None:
             out = torch.empty(query.shape, dtype=torch.bfloat16, device=dev)
         lse = torch.ops.atlas.paged_decode(q4, k_cache, v_cache, block_tables, seq_lens,
-                                           float(softmax_scale), k_scale, v_scale, out.view(b, q_len, nq, hd))
+                                           float(softmax_scale), k_scale, v_scale, out.view(b, q_len, nq, hd),
+                                           None if gate is None else g4)
         lse = lse if query.dim() == 4 else lse.view(b, nq)
     else:
         ref_out, lse = reference.paged_decode(query, k_cache, v_cache, block_tables, seq_lens,
                                               float(softmax_scale), k_scale, v_scale)
+        if gate is not None:
+            ref_out = reference.sigmoid_gate_mul(ref_out, gate)
         if out is None:
             out = ref_out
         else:
@@ -667,8 +686,9 @@ def _check_paged_decode_indices(op: str, block_tables: Tensor, seq_lens: Tensor,
 @torch.library.custom_op("atlas::paged_decode", mutates_args=("out",))
 def _paged_decode_kernel(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                          seq_lens: Tensor, softmax_scale: float, k_scale: Optional[Tensor],
-                         v_scale: Optional[Tensor], out: Tensor) -> Tensor:
-    """query [B, q_len, nq, hd] → out [B, q_len, nq, hd] (written); returns lse [B, q_len, nq]."""
+                         v_scale: Optional[Tensor], out: Tensor, gate: Optional[Tensor] = None) -> Tensor:
+    """query [B, q_len, nq, hd] → out [B, q_len, nq, hd] (written, gated when gate [B, q_len, nq,
+    hd] is given); returns lse [B, q_len, nq]."""
     b, q_len, nq, hd = query.shape
     nkv = k_cache.shape[2]
     rows = (nq // nkv) * q_len
@@ -680,12 +700,12 @@ def _paged_decode_kernel(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_
     else:
         partial_o = partial_lse = lse.new_empty(0)
     _C.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale,
-                    out, lse, partial_o, partial_lse, splits)
+                    out, lse, partial_o, partial_lse, splits, gate)
     return lse
 
 
 @_paged_decode_kernel.register_fake
-def _(query, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale, out):
+def _(query, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale, v_scale, out, gate=None):
     b, q_len, nq, _ = query.shape
     return query.new_empty(b, q_len, nq, dtype=torch.float32)
 

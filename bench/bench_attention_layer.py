@@ -24,9 +24,9 @@ would. The cached context is random data written straight into the pools (blocks
 cache.plan), not computed by a prefill: only its bytes matter here.
 Breakdown (bench_attention_layer_parts): at B = 1, L = 32K each launch of the graph-replayed step
 timed alone (same rotation), so the step's distance from the floor can be attributed: projections
-(one w4a16_gemv_dual, q|gate de-interleaved on the store), qk_norm_rope, paged_decode, o_proj with
-the sigmoid gate on its load (w4a16_gemv_gated); plus, for comparison, the two launches the gated
-GEMV replaced (sigmoid_gate_mul, plain o_proj GEMV), which are not part of the step.
+(one w4a16_gemv_dual, q|gate de-interleaved on the store), qk_norm_rope, paged_decode with the
+output gate on its stores, o_proj (plain GEMV); plus, for comparison, the two launches the gated
+paged_decode replaced (ungated paged_decode, sigmoid_gate_mul), which are not part of the step.
 Writes bench/results/bench_attention_layer.{md,json} and bench_attention_layer_parts.{md,json}.
 """
 from __future__ import annotations
@@ -150,10 +150,10 @@ def bench_parts(cfg, layers, length: int, kv: str, iters: int) -> list[dict]:
     a = layers[0]
     qn = ops.qk_norm_rope(q, k, v, a.q_norm_weight, a.k_norm_weight, meta.positions, *cache.layer(0)[:2],
                           meta.slot_mapping, *cache.layer(0)[2:], **a.norm_kwargs)
+    gate = gate.view(1, nq, hd)
     o = ops.paged_decode(qn, *cache.layer(0)[:2], meta.block_tables, meta.seq_lens, a.softmax_scale,
                          *cache.layer(0)[2:])
-    o = o.view(1, nq * hd)
-    og = ops.sigmoid_gate_mul(o.view(1, nq, hd), gate.view(1, nq, hd)).view(1, nq * hd)
+    og = ops.sigmoid_gate_mul(o, gate).view(1, nq * hd)
     parts = {
         "projections (dual gemv)": (lambda i: ops.w4a16_gemv_dual(x, layers[i].q_proj.weight, layers[i].kv_weight,
                                                                   qg_head_dim=hd),
@@ -161,12 +161,16 @@ def bench_parts(cfg, layers, length: int, kv: str, iters: int) -> list[dict]:
         "qk_norm_rope": (lambda i: ops.qk_norm_rope(q, k, v, layers[i].q_norm_weight, layers[i].k_norm_weight,
                                                     meta.positions, *cache.layer(i)[:2], meta.slot_mapping,
                                                     *cache.layer(i)[2:], **a.norm_kwargs), 0),
-        "paged_decode": (lambda i: ops.paged_decode(qn, *cache.layer(i)[:2], meta.block_tables, meta.seq_lens,
-                                                    a.softmax_scale, *cache.layer(i)[2:]),
-                         kv_bytes(cfg, 1, length + 1, kv)),
-        "o_proj (gated gemv)": (lambda i: ops.w4a16_gemv_gated(o, gate, layers[i].o_proj.weight), a.o_proj.nbytes),
-        "replaced: sigmoid_gate_mul": (lambda i: ops.sigmoid_gate_mul(o.view(1, nq, hd), gate.view(1, nq, hd)), 0),
-        "replaced: o_proj (plain gemv)": (lambda i: ops.w4a16_gemv(og, layers[i].o_proj.weight), a.o_proj.nbytes),
+        "paged_decode (gated)": (lambda i: ops.paged_decode(qn, *cache.layer(i)[:2], meta.block_tables,
+                                                            meta.seq_lens, a.softmax_scale, *cache.layer(i)[2:],
+                                                            gate=gate),
+                                 kv_bytes(cfg, 1, length + 1, kv)),
+        "o_proj (gemv)": (lambda i: ops.w4a16_gemv(og, layers[i].o_proj.weight), a.o_proj.nbytes),
+        "replaced: paged_decode (ungated)": (lambda i: ops.paged_decode(qn, *cache.layer(i)[:2], meta.block_tables,
+                                                                        meta.seq_lens, a.softmax_scale,
+                                                                        *cache.layer(i)[2:]),
+                                             kv_bytes(cfg, 1, length + 1, kv)),
+        "replaced: sigmoid_gate_mul": (lambda i: ops.sigmoid_gate_mul(o, gate), 0),
     }
     rows = []
     for name, (fn, nbytes) in parts.items():

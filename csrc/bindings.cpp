@@ -274,7 +274,8 @@ void paged_decode(const torch::Tensor& query,                       // [B, q_len
                   torch::Tensor& lse,                               // [B, q_len, nq] f32 (out)
                   torch::Tensor& partial_o,                         // [B, nkv, splits, group·q_len, hd] f32 (scratch)
                   torch::Tensor& partial_lse,                       // [B, nkv, splits, group·q_len] f32 (scratch)
-                  int64_t max_splits) {
+                  int64_t max_splits,
+                  const std::optional<torch::Tensor>& gate) {       // [B, q_len, nq, hd] bf16, hd contiguous, or none
   CHECK_CUDA_TENSOR(query); CHECK_CUDA_TENSOR(k_cache); CHECK_CUDA_TENSOR(v_cache);
   CHECK_CUDA_TENSOR(block_tables); CHECK_CUDA_TENSOR(seq_lens); CHECK_CUDA_TENSOR(out); CHECK_CUDA_TENSOR(lse);
   CHECK_CONTIGUOUS(k_cache); CHECK_CONTIGUOUS(v_cache); CHECK_CONTIGUOUS(block_tables); CHECK_CONTIGUOUS(seq_lens);
@@ -347,6 +348,21 @@ void paged_decode(const torch::Tensor& query,                       // [B, q_len
   a.max_splits = static_cast<int>(max_splits);
   a.softmax_scale = static_cast<float>(softmax_scale);
   a.kv_dtype = fp8 ? atlas::DType::kE4M3 : atlas::DType::kBF16;
+  if (gate.has_value()) {
+    const torch::Tensor& gt = *gate;
+    CHECK_CUDA_TENSOR(gt);
+    TORCH_CHECK(gt.scalar_type() == torch::kBFloat16 && gt.sizes() == query.sizes() && gt.stride(3) == 1 &&
+                gt.device() == query.device(), "paged_decode: gate must be bf16 [B, q_len, nq, hd] like query, "
+                "hd contiguous, on query's device");
+    a.gate = gt.data_ptr();
+    a.gate_stride_b = b > 1 ? gt.stride(0) : 0;
+    a.gate_stride_t = q_len > 1 ? gt.stride(1) : 0;
+    a.gate_stride_h = nq > 1 ? gt.stride(2) : 0;
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(a.gate) % 16 == 0 && a.gate_stride_b % 8 == 0 && a.gate_stride_t % 8 == 0 &&
+                a.gate_stride_h % 8 == 0 && a.gate_stride_b >= 0 && a.gate_stride_t >= 0 && a.gate_stride_h >= 0,
+                "paged_decode: gate must start 16-byte aligned with non-negative strides that are multiples of 8, got strides (",
+                num(gt.stride(0)), ", ", num(gt.stride(1)), ", ", num(gt.stride(2)), ")");
+  }
   check_cuda(atlas::launch_paged_decode(a, current_stream(query)), "paged_decode");
 }
 
@@ -640,7 +656,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache,
         "K/V rows [T,nkv,hd] bf16 -> paged cache slots (bf16 copy | e4m3 + per-row f32 scale), in place");
   m.def("paged_decode", &paged_decode,
-        "causal GQA attention of q_len <= 8 new tokens over the paged KV cache (bf16 | e4m3 + per-row scale), split-K");
+        "causal GQA attention of q_len <= 8 new tokens over the paged KV cache (bf16 | e4m3 + per-row scale), split-K; "
+        "optional output gate bf16(o * sigmoid(gate))");
   // ---- reshape_and_cache / paged_decode (owned by the paged-KV work; insert defs above this line) ----
   m.def("rms_norm", &rms_norm, "x [R,D] bf16 -> rmsnorm(x) * (w | 1+w) bf16, fp32 math; optional residual += x first");
   m.def("qk_norm_rope", &qk_norm_rope,

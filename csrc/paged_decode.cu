@@ -54,6 +54,11 @@
 //   tables, the grouped kernel (v4: one CTA per 32 elements of a (sequence, kv head) block,
 //   a thread per (split group, 4 elements) folds level 1 in registers with all loads in
 //   flight, one barrier, then level 2). Single-split sequences are written directly.
+//   Output gate (optional, Qwen3-Next gated attention): wherever out is written (the attention
+//   kernel for one-split / one-group sequences, else the combine), each element becomes
+//   bf16(bf16(o) · sigmoid(gate)) exactly as sigmoid_gate_mul computes it — one launch fewer
+//   per decode step; the gate rows are warmed in L2 (or loaded beside the partials) so the
+//   store does not wait on a DRAM round trip.
 //
 // Shared memory (hd 256, bf16, M_TILES 1): 3 stages × (K + V) 32 KB + Q 8.4 KB + P 1.3 KB
 //   ≈ 107 KB → 2 CTAs per SM (v2: 190 registers; v6 QREG, rows ≤ 8: 237). FP8 tiles are half
@@ -213,6 +218,7 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool v
 // L1 prefetch of a global line (generic address; no fault, no register result): warms the L1
 // for an __ldg issued later, so that load does not wait a dependent round trip of its own.
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.L1 [%0];\n" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 // L2 prefetch of `bytes` (a multiple of 16) from a 16-byte aligned global address, one
 // instruction (sm_90 bulk prefetch); a hint only: no result, no effect on memory.
 __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
@@ -312,6 +318,23 @@ template <bool FP8>
 __device__ __forceinline__ int o_column(int u, int which, int e, int t) {
   if constexpr (FP8) return 16 * u + 4 * t + 2 * e + which;  // even / odd hd of the unit
   else return 16 * u + 8 * which + 2 * t + e;
+}
+
+// Output row (b, j, h)'s gate (PagedDecodeArgs::gate), or null for an ungated call.
+__device__ __forceinline__ const __nv_bfloat16* gate_row(const PagedDecodeArgs& a, int b, int j, int h) {
+  if (a.gate == nullptr) return nullptr;
+  return static_cast<const __nv_bfloat16*>(a.gate) + b * a.gate_stride_b + j * a.gate_stride_t +
+         h * a.gate_stride_h;
+}
+// One output element from its f32 value v (column c of the row): bf16(v), or gated
+// bf16(bf16(v) · (1 / (1 + exp(−gate[c])))) — written as csrc/sigmoid_gate.cu writes it, so
+// the fused call is bitwise paged_decode followed by sigmoid_gate_mul.
+__device__ __forceinline__ __nv_bfloat16 gate_mul(__nv_bfloat16 o, __nv_bfloat16 g) {
+  return __float2bfloat16_rn(__bfloat162float(o) * (1.0f / (1.0f + expf(-__bfloat162float(g)))));
+}
+__device__ __forceinline__ __nv_bfloat16 out_elem(const __nv_bfloat16* gate, int c, float v) {
+  const __nv_bfloat16 o = __float2bfloat16_rn(v);
+  return gate == nullptr ? o : gate_mul(o, gate[c]);
 }
 
 // ---- attention kernel -----------------------------------------------------------------------
@@ -498,6 +521,12 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   const int kv_end = min(last_split * plan.chunk, seq_len);    // ≥ kv_begin; splits never share a tile
   const int n_tiles = (kv_end - kv_begin + kTileN - 1) / kTileN;
   const int tiles_per_split = plan.chunk / kTileN;
+  // A gated CTA that writes out itself (one split, or a fused sequence of one group) warms L2
+  // with its rows' gates now, so the epilogue's gate loads do not add a DRAM round trip.
+  if (a.gate != nullptr && tid < rows && (plan.count == 1 || (fused && plan.count <= kSplitGroup))) {
+    const int gr = row0 + tid, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+    prefetch_l2_bulk(gate_row(a, b, j, h), HD * 2);
+  }
 
   // Newest visible position of each of this thread's rows (rows ≥ `rows` are padding).
   int last_pos[M_TILES][2];
@@ -633,14 +662,17 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
           if (r < rows) {
             const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
             __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * HD + warp * Tr::kColsPerWarp;
+            const __nv_bfloat16* gate = gate_row(a, b, j, h);
+            if (gate != nullptr) gate += warp * Tr::kColsPerWarp;
 #pragma unroll
             for (int u = 0; u < Tr::kVUnits; ++u)
 #pragma unroll
               for (int which = 0; which < 2; ++which)
 #pragma unroll
-                for (int e = 0; e < 2; ++e)
-                  out[o_column<FP8>(u, which, e, t)] =
-                      __float2bfloat16_rn(__fmul_rn(o_acc[mt][2 * u + which][2 * hh + e], inv));
+                for (int e = 0; e < 2; ++e) {
+                  const int c = o_column<FP8>(u, which, e, t);
+                  out[c] = out_elem(gate, c, __fmul_rn(o_acc[mt][2 * u + which][2 * hh + e], inv));
+                }
             if (a.lse != nullptr && warp == 0 && t == 0) a.lse[orow] = lam * kLn2;
           }
         } else if (!fused) {                    // split mode: partial (λ_s, o_s) for the combine
@@ -863,6 +895,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
         const int64_t prow = (((int64_t)b * a.num_kv_heads + kvh) * a.max_splits + group) * pb.rows_total + gr;
         __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * HD + warp * Tr::kColsPerWarp;
+        const __nv_bfloat16* gate = single ? gate_row(a, b, j, h) : nullptr;
+        if (gate != nullptr) gate += warp * Tr::kColsPerWarp;
         float* po = a.partial_o + prow * HD + warp * Tr::kColsPerWarp;
 #pragma unroll
         for (int u = 0; u < Tr::kVUnits; ++u)
@@ -871,10 +905,11 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const float o_g = __fmul_rn(f_acc[0][2 * u + which][2 * hh + e], inv_g);
+              const int c = o_column<FP8>(u, which, e, t);
               if (single)
-                out[o_column<FP8>(u, which, e, t)] = __float2bfloat16_rn(__fmul_rn(fold_elem(0.f, ca, o_g, cc), inv));
+                out[c] = out_elem(gate, c, __fmul_rn(fold_elem(0.f, ca, o_g, cc), inv));
               else
-                po[o_column<FP8>(u, which, e, t)] = o_g;
+                po[c] = o_g;
             }
         if (warp == 0 && t == 0) {
           if (single) {
@@ -942,6 +977,10 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
   const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
   if (count <= 1) return;                       // the attention kernel wrote out (whole CTA)
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;  // ≤ blockDim.x / kGcLanes
+  // Gated: level-2 thread c's gate element, loaded beside the partials (no round trip of its own).
+  const __nv_bfloat16* gate = gate_row(a, b, gr / pb.group, kvh * pb.group + gr % pb.group);
+  __nv_bfloat16 gate_c{};
+  if (gate != nullptr && threadIdx.x < kGcCols) gate_c = gate[col0 + threadIdx.x];
 
   __shared__ __align__(16) float og_s[kMaxGroups][kGcCols];     // level-1 results o_g
   __shared__ float lam_s[kMaxGroups];                           // λ_g (one row per CTA)
@@ -1000,7 +1039,8 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
     fold_result(top, top_lam, top_inv);
     const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
     const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
-    static_cast<__nv_bfloat16*>(a.out)[orow * hd + col0 + c] = __float2bfloat16_rn(__fmul_rn(acc, top_inv));
+    const __nv_bfloat16 o = __float2bfloat16_rn(__fmul_rn(acc, top_inv));
+    static_cast<__nv_bfloat16*>(a.out)[orow * hd + col0 + c] = gate == nullptr ? o : gate_mul(o, gate_c);
     if (a.lse != nullptr && col0 == 0 && c == 0) a.lse[orow] = top_lam * kLn2;
   }
 }
@@ -1038,6 +1078,13 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
   // Trigger first, seq_lens before the wait: as in the grouped kernel.
   pdl_launch_dependents();
   const int seq_len = min(max(__ldg(a.seq_lens + b), 0), a.max_blocks * a.block_size);
+  // Gated: warm L2 with this thread's 4 gate elements (like seq_lens, written before the
+  // attention grid's wait returned); they are loaded after the fold — loading them here
+  // would change ptxas' schedule of the split loop (71 → 128 registers).
+  if (a.gate != nullptr && e0 < pb.rows_total * hd) {
+    const int gr = e0 / hd;
+    prefetch_l2(gate_row(a, b, gr / pb.group, kvh * pb.group + gr % pb.group) + e0 % hd);
+  }
   pdl_wait();                                   // attention grid done, partials visible
   const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;
@@ -1096,10 +1143,17 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
   float top_lam, top_inv;
   fold_result(top, top_lam, top_inv);
   const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+  const __nv_bfloat16* gate = gate_row(a, b, j, h);
+  uint2 gate4{};
+  if (gate != nullptr) gate4 = *reinterpret_cast<const uint2*>(gate + col);   // 8-byte aligned: rows are 16
   const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * hd + col;
+  const __nv_bfloat16* g4 = reinterpret_cast<const __nv_bfloat16*>(&gate4);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = __float2bfloat16_rn(__fmul_rn(acc[i], top_inv));
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat16 o = __float2bfloat16_rn(__fmul_rn(acc[i], top_inv));
+    out[i] = gate == nullptr ? o : gate_mul(o, g4[i]);
+  }
   if (a.lse != nullptr && col == 0) a.lse[orow] = top_lam * kLn2;
 }
 
@@ -1203,6 +1257,11 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
       (a.max_splits > 1 && (a.partial_o == nullptr || a.partial_lse == nullptr)) ||
       !(a.softmax_scale > 0.f) || a.softmax_scale == INFINITY)
     return cudaErrorInvalidValue;
+  // The gate's rows are read 16 bytes aligned (bulk L2 prefetch, 8-byte loads).
+  if (a.gate != nullptr && (reinterpret_cast<uintptr_t>(a.gate) % 16 != 0 || a.gate_stride_b % 8 != 0 ||
+                            a.gate_stride_t % 8 != 0 || a.gate_stride_h % 8 != 0 || a.gate_stride_b < 0 ||
+                            a.gate_stride_t < 0 || a.gate_stride_h < 0))
+    return cudaErrorMisalignedAddress;
 
   Problem pb{};
   pb.a = a;

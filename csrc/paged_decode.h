@@ -20,6 +20,13 @@ struct PagedDecodeArgs {
                                //     [0, max_blocks · bs] on the device
   void* out;                   // [B, q_len, nq, hd] bf16 contiguous (written)
   float* lse;                  // [B, q_len, nq] f32 contiguous, natural log (written; may be null)
+  const void* gate;            // null, or [B, q_len, nq, hd] bf16 with hd contiguous, element (b, j, h, c) at
+                               //   b·gate_stride_b + j·gate_stride_t + h·gate_stride_h + c: out is then
+                               //   bf16(bf16(o) · 1 / (1 + exp(−gate))), sigmoid_gate_mul's expression on
+                               //   the rounded output (the Qwen3-Next output gate, one launch fewer)
+  int64_t gate_stride_b;       // elements (gate only; any ≥ 0, a size-1 dim's stride is never used)
+  int64_t gate_stride_t;
+  int64_t gate_stride_h;
   float* partial_o;            // [B, nkv, max_splits, group·q_len, hd] f32 workspace (max_splits > 1)
   float* partial_lse;          // [B, nkv, max_splits, group·q_len] f32 workspace (max_splits > 1)
   int64_t q_stride_b;          // elements between query[b] and query[b + 1]

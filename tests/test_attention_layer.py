@@ -201,34 +201,36 @@ def test_cuda_matches_hf(model, schedule, dialect, kv_dtype):
 @pytest.mark.parametrize("model", ["35b_a3b", "27b"])
 @pytest.mark.parametrize("schedule", [[{"a": 10}, {"a": 1}], [{"a": 5, "b": 3}, {"a": 4, "b": 4}],
                                       [{"a": 70}, {"a": 1, "b": 40}]])      # 70, 41 rows: 32-row GEMV chunks
-def test_cuda_gated_o_proj_bitwise_vs_unfused(monkeypatch, model, schedule):
-    """GEMV steps of a gated layer, with the output gate on o_proj's load where _fuse_gate picks
-    it (w4a16_gemv_gated on the G half of the de-interleaved q_proj output), are bitwise the
-    unfused sigmoid_gate_mul + w4a16_gemv for decode, verify and ≤ 128-row prefill steps; and
-    within the bound of HF. (With FUSE_GATE_MAX_K = 0 both runs take the unfused path; the op's
-    own bitwise test is test_w4a16_gemv's.)"""
-    from atlas import linear, ops
+def test_cuda_gate_in_paged_decode_bitwise_vs_unfused(monkeypatch, model, schedule):
+    """Steps of one decode / verify run take the output gate inside paged_decode; the layer's
+    outputs are bitwise those of paged_decode + sigmoid_gate_mul (the mixed-step path), for
+    decode, verify and prefill steps, and within the bound of HF."""
+    from atlas import ops
     cfg = real_config(model)
     g = _gen("gated_bitwise", model, repr(schedule))
     attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, "bf16", "l.", g, "cuda"), "l.",
                                                "nvfp4", "cuda")
-    assert attn.gated and attn.kv_fused
+    assert attn.gated
+    real = ops.paged_decode
     calls = {"gated": 0}
-    real_gated = ops.w4a16_gemv_gated
 
-    def counted(x, gate, q):
-        calls["gated"] += 1
-        return real_gated(x, gate, q)
+    def counted(*args, gate=None, **kw):
+        calls["gated"] += gate is not None
+        return real(*args, gate=gate, **kw)
 
-    def unfused(x, gate, q):
-        m, k = x.shape
-        return ops.w4a16_gemv(ops.sigmoid_gate_mul(x.view(m, 1, k), gate.view(m, 1, k)).view(m, k), q)
+    def unfused(*args, gate=None, **kw):
+        out = real(*args, **kw)
+        if gate is None:
+            return out
+        nq, hd = out.shape[-2:]
+        return ops.sigmoid_gate_mul(out.reshape(-1, nq, hd), gate.reshape(-1, nq, hd)).view(out.shape)
 
-    monkeypatch.setattr(ops, "w4a16_gemv_gated", counted)
+    monkeypatch.setattr(ops, "paged_decode", counted)
     hidden, got = run_schedule(attn, cfg, schedule, kv_dtype=torch.bfloat16, device="cuda", block_size=16,
                                g=_gen("gated_bitwise_x", model, repr(schedule)))
-    assert calls["gated"] == sum(attn._fuse_gate(sum(step.values())) for step in schedule)
-    monkeypatch.setattr(ops, "w4a16_gemv_gated", unfused)
+    one_run = sum(len(set(step.values())) == 1 and max(step.values()) <= 8 for step in schedule)
+    assert calls["gated"] == one_run                                # steps of one decode / verify run
+    monkeypatch.setattr(ops, "paged_decode", unfused)
     _, want = run_schedule(attn, cfg, schedule, kv_dtype=torch.bfloat16, device="cuda", block_size=16,
                            g=_gen("gated_bitwise_x", model, repr(schedule)))
     for s in hidden:
@@ -276,20 +278,19 @@ def test_cuda_graph_decode_equals_eager(query_len, kv_dtype):
 
 
 @pytest.mark.parametrize("model,dialect,launches", [
-    ("qwen3_next", "bf16", {"dual": 1, "gemv": 0, "gated": 1}),            # q|g+kv, gate·o_proj
-    ("qwen3_next", "modelopt_nvfp4", {"dual": 1, "gemv": 1, "gated": 1}),  # q|g+k, v, gate·o_proj
-    ("qwen3", "bf16", {"dual": 1, "gemv": 1, "gated": 0}),                 # q+kv, o_proj
+    ("qwen3_next", "bf16", {"dual": 1, "gemv": 1, "gated_attention": 1}),            # q|g+kv, o_proj
+    ("qwen3_next", "modelopt_nvfp4", {"dual": 1, "gemv": 2, "gated_attention": 1}),  # q|g+k, v, o_proj
+    ("qwen3", "bf16", {"dual": 1, "gemv": 1, "gated_attention": 0}),                 # q+kv, o_proj
 ])
 @pytest.mark.parametrize("rows", [1, 2])
 def test_decode_projection_launches(monkeypatch, model, dialect, launches, rows):
     """A decode step reads q_proj, k_proj and v_proj in one GEMV launch when K and V share a
-    global scale (else q+k and v), and o_proj in one more, with the output gate applied on its
-    load where that measured faster (gated models, 1-row steps with o_proj K ≤
-    FUSE_GATE_MAX_K: no sigmoid_gate_mul launch; else sigmoid_gate_mul + the plain GEMV). The stand-ins run the
-    reference, so the output is also checked against the unpatched layer's."""
+    global scale (else q+k and v), and o_proj in one more; a gated layer's output gate rides in
+    paged_decode (no sigmoid_gate_mul launch). The stand-ins run the reference, so the output is
+    also checked against the unpatched layer's."""
     from atlas import ops, reference as ref
-    calls = {"dual": 0, "gemv": 0, "gated": 0, "sigmoid_gate_mul": 0}
-    real = {name: getattr(ops, name) for name in ("w4a16_gemv_dual", "w4a16_gemv_gated", "sigmoid_gate_mul")}
+    calls = {"dual": 0, "gemv": 0, "gated_attention": 0, "sigmoid_gate_mul": 0}
+    real = {name: getattr(ops, name) for name in ("w4a16_gemv_dual", "paged_decode", "sigmoid_gate_mul")}
 
     def gemv(x, q, **kw):
         calls["gemv"] += 1
@@ -299,9 +300,9 @@ def test_decode_projection_launches(monkeypatch, model, dialect, launches, rows)
         calls["dual"] += 1
         return real["w4a16_gemv_dual"](x, q1, q2, qg_head_dim=qg_head_dim)
 
-    def gated(x, gate, q):
-        calls["gated"] += 1
-        return real["w4a16_gemv_gated"](x, gate, q)
+    def paged_decode(*args, gate=None, **kw):
+        calls["gated_attention"] += gate is not None
+        return real["paged_decode"](*args, gate=gate, **kw)
 
     def sigmoid_gate_mul(x, gate):
         calls["sigmoid_gate_mul"] += 1
@@ -314,13 +315,11 @@ def test_decode_projection_launches(monkeypatch, model, dialect, launches, rows)
     caches = [PagedKvCache(cfg, 1, 8, device="cpu") for _ in range(2)]
     step = {"a": 1, "b": 1} if rows == 2 else {"a": 1}
     want = attn(x, caches[0].plan(step), caches[0])
-    for name, fn in (("w4a16_gemv", gemv), ("w4a16_gemv_dual", dual), ("w4a16_gemv_gated", gated),
+    for name, fn in (("w4a16_gemv", gemv), ("w4a16_gemv_dual", dual), ("paged_decode", paged_decode),
                      ("sigmoid_gate_mul", sigmoid_gate_mul)):
         monkeypatch.setattr(ops, name, fn)
     got = attn(x, caches[1].plan(step), caches[1])
-    if launches["gated"] and not attn._fuse_gate(rows):     # the gate as its own launch
-        launches = dict(launches, gated=0, gemv=launches["gemv"] + 1, sigmoid_gate_mul=1)
-    assert calls == dict(launches, sigmoid_gate_mul=launches.get("sigmoid_gate_mul", 0))
+    assert calls == dict(launches, sigmoid_gate_mul=0)
     assert torch.equal(got, want)
 
 

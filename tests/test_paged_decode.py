@@ -361,6 +361,80 @@ def test_kernel_verify_row_matches_decode(geom, kv_dtype):
     assert torch.equal(out1, out[:, 1]) and torch.equal(lse1, lse[:, 1])
 
 
+GATE_CASES = [  # (B, max_len, bs, hd, nq, nkv, q_len): every place out is written
+    (3, 200, 16, 128, 16, 2, 1),         # one split: the attention kernel stores out
+    (3, 1000, 16, 256, 24, 4, 3),        # ≤ 16 splits: the flat combine (split mode)
+    (128, 1000, 16, 256, 24, 4, 1),      # fused mode, one group: the attention kernel folds and stores
+    (64, 3000, 16, 64, 8, 8, 1),         # fused mode, 2 groups: the flat combine (fused)
+    (1, 32768, 16, 256, 16, 2, 1),       # 128 splits: the grouped combine
+    (2, 9000, 16, 64, 8, 1, 2),          # grouped combine, hd 64, q_len 2
+]
+
+
+def _gate_for(case, per_head: bool, gen):
+    """A gate shaped like the query, as the layer passes it: the G half of a de-interleaved
+    [.., Q | G] buffer, or the gate half of per-head [q | gate] rows (head stride 2·hd)."""
+    q = case["query"]
+    *lead, nq, hd = q.shape
+    dev = q.device
+    if per_head:
+        buf = torch.randn(*lead, nq, 2 * hd, generator=gen, device=dev).to(torch.bfloat16) * 4
+        return buf[..., hd:]
+    buf = torch.randn(*lead, 2 * nq * hd, generator=gen, device=dev).to(torch.bfloat16) * 4
+    return buf[..., nq * hd:].view(*lead, nq, hd)
+
+
+def _unfused(case, gate):
+    """paged_decode, then sigmoid_gate_mul: what the gated call must equal bit for bit."""
+    out, lse = call(case, return_lse=True)
+    hd, nq = out.shape[-1], out.shape[-2]
+    gated = ops.sigmoid_gate_mul(out.reshape(-1, nq, hd), gate.reshape(-1, nq, hd))
+    return gated.view(out.shape), lse
+
+
+def test_gate_cpu_is_the_composition():
+    case = make_case(3, 40, 16, 64, 8, 2, 3, torch.bfloat16, seed=71)
+    gen = torch.Generator().manual_seed(71)
+    for per_head in (False, True):
+        gate = _gate_for(case, per_head, gen)
+        got, lse = call(case, return_lse=True, gate=gate)
+        want, want_lse = _unfused(case, gate)
+        assert torch.equal(got, want) and torch.equal(lse, want_lse)
+        assert not torch.equal(got, call(case))                               # the gate did something
+
+
+def test_bad_gate():
+    case = _bad()
+    q = case["query"]
+    with pytest.raises(ValueError, match="gate"):
+        call(case, gate=torch.zeros(2, 4, 32, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="gate"):
+        call(case, gate=torch.zeros(q.shape))
+    with pytest.raises(ValueError, match="gate"):                             # hd not contiguous
+        call(case, gate=torch.zeros(2, 64, 4, dtype=torch.bfloat16).transpose(1, 2))
+    with pytest.raises(ValueError, match="gate"):                             # row stride not % 8
+        call(case, gate=torch.zeros(2, 4 * 64 + 4, dtype=torch.bfloat16)[:, :256].view(2, 4, 64))
+    with pytest.raises(ValueError, match="gate"):                             # start not 16-byte aligned
+        call(case, gate=torch.zeros(2 * 4 * 64 + 4, dtype=torch.bfloat16)[4:].view(2, 4, 64))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("per_head", [False, True], ids=["g-half", "per-head"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("shape", GATE_CASES, ids=lambda s: "B{}-L{}-bs{}-hd{}-h{}of{}-q{}".format(*s))
+def test_kernel_gate_bitwise_vs_unfused(shape, kv_dtype, per_head):
+    """The output gate applied where out is written equals paged_decode + sigmoid_gate_mul bit
+    for bit, on every store path (one split, fused fold, flat and grouped combines)."""
+    b, n, bs, hd, nq, nkv, t = shape
+    seed = seed_of("gate", shape, kv_dtype, per_head)
+    case = make_case(b, n, bs, hd, nq, nkv, t, kv_dtype, device="cuda", seed=seed)
+    gate = _gate_for(case, per_head, torch.Generator(device="cuda").manual_seed(seed))
+    out = poison_(torch.empty_like(case["query"]))
+    got, lse = call(case, return_lse=True, out=out, gate=gate)
+    want, want_lse = _unfused(case, gate)
+    assert got is out and torch.equal(got, want) and torch.equal(lse, want_lse)
+
+
 @pytest.mark.cuda
 def test_kernel_out_of_range_ids_are_memory_safe():
     """On CUDA bad ids / seq_lens are not checked (a sync): the kernel clamps and skips, no fault."""

@@ -22,12 +22,11 @@ per 32 rows, see atlas.linear), all graph-capturable:
                         as it is ([T, nq·hd], row stride 2·nq·hd): no copy, no extra pass.
     2. qk_norm_rope     q/k norms + RoPE + K/V cache write, one bf16 rounding (csrc/qk_norm_rope.cu)
     3. paged_decode     per run of consecutive sequences with the same query_len ≤ 8 (+ its
-                        split-K combine)
-    4. sigmoid_gate_mul bf16(o · sigmoid(G)) (gated), then
-       w4a16_gemv       o_proj. w4a16_gemv_gated (the gate applied as o is loaded; bitwise the
-                        two, one launch fewer) takes 1-row steps with o_proj K ≤
-                        FUSE_GATE_MAX_K: none since gemv v3.6 made the plain GEMV faster.
-                        Plain Qwen3: o_proj alone.
+                        split-K combine). Gated, a step of one such run (every decode and
+                        verify step) passes G as paged_decode's output gate: the kernel that
+                        writes o writes bf16(o · sigmoid(G)), bitwise sigmoid_gate_mul's result
+                        (one launch fewer); mixed steps run sigmoid_gate_mul after attending.
+    4. w4a16_gemv       o_proj.
 Prefill chunks (query_len > 8) run the projections like any other rows (GEMV chunks up to 128
 rows in the step, beyond that GEMMs: cuBLAS over the on-the-fly BF16 dequantization, see
 atlas.linear; there, and for BF16 / FP8 weights, the gated q_proj output stays per head
@@ -53,7 +52,7 @@ from atlas import ops
 from atlas._validate import check_tensor
 from atlas.config import ModelConfig
 from atlas.kv_cache import AttentionMetadata, PagedKvCache
-from atlas.linear import GEMV_CHUNKED_MAX_ROWS, Linear, gemv, gemv_dual, gemv_gated, load_linears
+from atlas.linear import GEMV_CHUNKED_MAX_ROWS, Linear, gemv, gemv_dual, load_linears
 
 from atlas.nvfp4 import NVFP4Weight
 
@@ -209,28 +208,13 @@ class Qwen3AttentionLayer:
         q, gate, k, v = self._project_qkv(hidden)
         q = ops.qk_norm_rope(q, k, v, self.q_norm_weight, self.k_norm_weight, meta.positions, k_cache,
                              v_cache, meta.slot_mapping, k_scale, v_scale, **self.norm_kwargs)
-        o = self._attend(q, meta, k_cache, v_cache, k_scale, v_scale)              # [T, nq, hd]
-        if gate is None:
-            return self.o_proj(o.view(t, self.nq * self.hd))
-        if self._gemv_rows(t) and self._fuse_gate(t):   # gate [T, nq·hd] (the G half): fused into o_proj
-            return gemv_gated(o.view(t, self.nq * self.hd), gate, self.o_proj.weight)
-        if self._gemv_rows(t):                           # the G half as [T, nq, hd] (row stride 2·nq·hd)
-            gate = gate.view(t, self.nq, self.hd)
-        return self.o_proj(ops.sigmoid_gate_mul(o, gate).view(t, self.nq * self.hd))   # gate [T, nq, hd]
+        o = self._attend(q, gate, meta, k_cache, v_cache, k_scale, v_scale)        # [T, nq, hd], gated
+        return self.o_proj(o.view(t, self.nq * self.hd))
 
-    # o_proj K = nq·hd up to which a 1-row step fuses the gate into o_proj: none at gemv v3.6.
-    # Measured on the H200 (bench/results/gemv_variants.md): 35B-A3B 2048×4096 fused 6.58 vs
-    # 5.84 µs for sigmoid_gate_mul + the plain GEMV, 27B 5120×6144 12.4 vs 10.8 — the plain
-    # one-row GEMV splits K over the warps of one CTA (v3.6), the gated one keeps the cluster rule
-    # (its expf prologue wants short K ranges). v3.4 had 2048×4096 fused 6.67 vs 7.19.
-    FUSE_GATE_MAX_K = 0
-
-    def _fuse_gate(self, t: int) -> bool:
-        """Whether o_proj takes the gate on its load (w4a16_gemv_gated) for a T-row GEMV step:
-        at T = 1 with o_proj K ≤ FUSE_GATE_MAX_K. At T = 8 the fused form loses everywhere
-        (13.1 vs 7.95 µs at 2048×4096): the M > 1 kernel recomputes the sigmoid of every chunk in
-        every CTA."""
-        return t == 1 and self.nq * self.hd <= self.FUSE_GATE_MAX_K
+    # Measured alternative, not taken: the gate on o_proj's load (w4a16_gemv_gated) lost to
+    # sigmoid_gate_mul + the plain GEMV once gemv v3.6 split K over warps (H200,
+    # bench/results/gemv_variants.md: 2048×4096 6.58 vs 5.84 µs, 5120×6144 12.4 vs 10.8); the gate
+    # in paged_decode's stores costs neither GEMV anything.
 
     def write_kv(self, hidden: Tensor, meta: AttentionMetadata, cache: PagedKvCache, layer: int = 0) -> None:
         """The K/V half of __call__: writes the rows' normed, rotated K and V into the cache,
@@ -265,9 +249,9 @@ class Qwen3AttentionLayer:
         return self.weight_format == "nvfp4" and t <= GEMV_CHUNKED_MAX_ROWS
 
     def _project_qkv(self, x: Tensor):
-        """x [T, h] → q [T, nq, hd], gate, k, v [T, nkv, hd] (strided views). gate: None (plain);
-        GEMV rows: [T, nq·hd], the G half of the de-interleaved [T, Q | G] q_proj output (row
-        stride 2·nq·hd); otherwise [T, nq, hd], the gate half of the per-head [q | gate] rows."""
+        """x [T, h] → q [T, nq, hd], gate [T, nq, hd] or None (plain), k, v [T, nkv, hd], all
+        strided views. gate: GEMV rows, the G half of the de-interleaved [T, Q | G] q_proj output
+        (row stride 2·nq·hd); otherwise the gate half of the per-head [q | gate] rows."""
         t, nq, nkv, hd = x.shape[0], self.nq, self.nkv, self.hd
         qg_head_dim = hd if self.gated else 0
         if self._gemv_rows(t):                                                       # decode / verify
@@ -279,7 +263,7 @@ class Qwen3AttentionLayer:
                 y, k = gemv_dual(x, self.q_proj.weight, self.k_proj.weight, qg_head_dim=qg_head_dim)
                 v = gemv(x, self.v_proj.weight)
             q = y[:, :nq * hd].view(t, nq, hd)                 # [T, Q | G] or [T, Q]
-            gate = y[:, nq * hd:] if self.gated else None
+            gate = y[:, nq * hd:].view(t, nq, hd) if self.gated else None
         elif self.gated:                                                             # GEMM / bf16 / fp8
             y, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             y = y.view(t, nq, 2 * hd)                                                # per head [q | gate]
@@ -289,27 +273,30 @@ class Qwen3AttentionLayer:
             q, gate = y.view(t, nq, hd), None
         return q, gate, k.view(t, nkv, hd), v.view(t, nkv, hd)
 
-    def _attend(self, q: Tensor, meta: AttentionMetadata, k_cache, v_cache, k_scale, v_scale) -> Tensor:
-        """q [T, nq, hd] (normed, rotated) → attention output [T, nq, hd] bf16."""
+    def _attend(self, q: Tensor, gate: Optional[Tensor], meta: AttentionMetadata, k_cache, v_cache, k_scale,
+                v_scale) -> Tensor:
+        """q [T, nq, hd] (normed, rotated), gate [T, nq, hd] or None → attention output [T, nq,
+        hd] bf16, times sigmoid(gate) when gated."""
         t, nq, hd = q.shape
         runs, prefill = plan_attention(meta.query_lens)
         if len(runs) == 1 and not prefill and runs[0].r1 - runs[0].r0 == t:   # a plain decode / verify step
-            r = runs[0]
-            return self._decode(q, r, meta, k_cache, v_cache, k_scale, v_scale).view(t, nq, hd)
+            return self._decode(q, gate, runs[0], meta, k_cache, v_cache, k_scale, v_scale).view(t, nq, hd)
         out = torch.empty_like(q)
         for r in runs:
-            out[r.r0:r.r1] = self._decode(q, r, meta, k_cache, v_cache, k_scale, v_scale).view(-1, nq, hd)
+            out[r.r0:r.r1] = self._decode(q, None, r, meta, k_cache, v_cache, k_scale, v_scale).view(-1, nq, hd)
         if prefill:
             self._prefill(q, out, prefill, meta, k_cache, v_cache, k_scale, v_scale)
-        return out
+        return out if gate is None else ops.sigmoid_gate_mul(out, gate)
 
-    def _decode(self, q, r: DecodeRun, meta, k_cache, v_cache, k_scale, v_scale) -> Tensor:
-        nb = r.b1 - r.b0
-        query = q[r.r0:r.r1].view(nb, r.query_len, self.nq, self.hd)
-        if r.query_len == 1:
-            query = query[:, 0]                                                      # [B, nq, hd]
+    def _decode(self, q, gate, r: DecodeRun, meta, k_cache, v_cache, k_scale, v_scale) -> Tensor:
+        """paged_decode of run r's rows of q (and of gate, the output gate, when not None)."""
+        shape = (r.b1 - r.b0, r.query_len, self.nq, self.hd)
+        query = q[r.r0:r.r1].view(shape)
+        gate = None if gate is None else gate[r.r0:r.r1].view(shape)
+        if r.query_len == 1:                                                         # [B, nq, hd]
+            query, gate = query[:, 0], None if gate is None else gate[:, 0]
         return ops.paged_decode(query, k_cache, v_cache, meta.block_tables[r.b0:r.b1], meta.seq_lens[r.b0:r.b1],
-                            self.softmax_scale, k_scale, v_scale)
+                                self.softmax_scale, k_scale, v_scale, gate=gate)
 
     def _prefill(self, q, out, groups, meta, k_cache, v_cache, k_scale, v_scale) -> None:
         """Causal attention of prefill chunks as pseudo-sequences of 8 query rows (module doc)."""
