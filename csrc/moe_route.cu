@@ -12,23 +12,27 @@
 // Decomposition: one warp per row (token), 4 rows per 128-thread CTA, grid ceil(T / 4).
 //   Lane l holds experts e = l + 32·i, i ∈ [0, kPerLane) in registers (kPerLane = the smallest
 //   of 1, 2, 4, 8, 16, 32 with 32·kPerLane ≥ E: a template parameter, so the arrays stay in
-//   registers). Softmax: warp max and warp sum by xor-shuffles. Top-k: k rounds of a warp
-//   arg-max over the experts not yet taken — each lane proposes its best (strict > over
-//   increasing e keeps the lowest index), the shuffle merge prefers the larger logit, then the
-//   lower index; the owning lane marks the winner taken (one bit per register slot) and lane j
-//   keeps round j's (id, p). No shared memory, no host sync: graph-capturable.
+//   registers). Softmax: warp max and warp sum by xor-shuffles. Top-k (v2): every expert a
+//   64-bit key (order-preserving logit bits | ~e), each lane's keys sorted descending in
+//   registers once (bitonic network), then k rounds of two redux.sync maxima over the lanes'
+//   heads (logit half, then index half among the ties) and a register shift on the winning
+//   lane; lane j keeps round j's (id, p). v1 rescanned kPerLane slots and ran a 5-step
+//   shuffle arg-max (10 shuffles) per round: ≈ 300 dependent cycles × k = 8 rounds, ≈ 2 µs of
+//   the 4.2 µs one-token launch on the H200 (bench_mtp parts). No shared memory, no host
+//   sync: graph-capturable.
 //
 // Launched with programmatic dependent launch (common/pdl.cuh): waits for the router GEMV before
 // reading its logits and lets the next kernel launch at once.
 //
 // Floor: T·E·elem bytes read + T·k·8 written: 35B-A3B, T = 32, E = 256: 16 KB — launch-bound
 //   (~2 µs eager, ~1 µs in a graph) by orders of magnitude; the point of the kernel is to keep
-//   routing on the device, not bandwidth. The k rounds cost k · (kPerLane + 5 shuffles) steps.
+//   routing on the device, not bandwidth, and its latency is the dependent chain of the k rounds.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <climits>
 #include <cmath>
+#include <cstdint>
 
 #include "common/checks.h"
 #include "common/pdl.cuh"
@@ -54,14 +58,21 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Warp arg-max of (value, index): larger value wins, equal values → lower index.
-__device__ __forceinline__ void warp_argmax(float& v, int& idx) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, off);
-    const int oi = __shfl_xor_sync(0xffffffffu, idx, off);
-    if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
-  }
+// A logit as an unsigned key whose integer order is the float order (−inf lowest, NaN above
+// +inf), so warp maxima are one redux.sync; key 0 lies below every real logit's key.
+__device__ __forceinline__ uint32_t ordered_key(float v) {
+  const uint32_t u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
+// Compare-exchange of a descending sort: afterwards a ≥ b.
+__device__ __forceinline__ void order_desc(uint64_t& a, uint64_t& b) {
+  const uint64_t hi = a > b ? a : b, lo = a > b ? b : a;
+  a = hi;
+  b = lo;
 }
 
 template <typename T, int kPerLane>
@@ -95,24 +106,45 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) moe_route_kernel(
   for (int i = 0; i < kPerLane; ++i) s += (x[i] == -INFINITY) ? 0.f : expf(x[i] - m);
   s = warp_sum(s);
 
-  // 3. k rounds of arg-max over the experts not taken yet; lane j keeps round j
-  uint32_t taken = 0;                 // bit i: expert lane + 32·i already selected
+  // 3. top-k. Expert e's 64-bit key: ordered_key(logit) above, ~e below — larger key = larger
+  //    logit, then lower index (0 for the padding past E: below every expert). Each lane sorts
+  //    its kPerLane keys descending (a bitonic network: log² depth, no dynamic indexing), so
+  //    its best untaken expert is always key[0]; a round is two warp maxima (the logit half,
+  //    then the index half among the lanes holding it) and a shift on the winning lane.
+  uint64_t key[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + 32 * i;
+    key[i] = e < num_experts ? (uint64_t{ordered_key(x[i])} << 32) | uint32_t(~e) : 0;
+  }
+#pragma unroll
+  for (int size = 2; size <= kPerLane; size *= 2)
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride /= 2)
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int j = i ^ stride;
+        if (j > i) {
+          if ((i & size) == 0) order_desc(key[i], key[j]);   // the last merge (size = kPerLane) is
+          else order_desc(key[j], key[i]);                   // all descending
+        }
+      }
   int my_id = 0;
   float my_p = 0.f, sum_p = 0.f;
   for (int j = 0; j < top_k; ++j) {
-    float bv = -INFINITY;
-    int bi = INT_MAX;
+    const uint32_t hi = static_cast<uint32_t>(key[0] >> 32);
+    const uint32_t best_hi = __reduce_max_sync(0xffffffffu, hi);
+    const uint32_t best_lo = __reduce_max_sync(0xffffffffu, hi == best_hi ? static_cast<uint32_t>(key[0]) : 0u);
+    const int id = static_cast<int>(~best_lo);
+    if (id % 32 == lane) {                    // the winner's lane: its next best moves up
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int e = lane + 32 * i;
-      const bool free_slot = e < num_experts && !((taken >> i) & 1u);
-      if (free_slot && (x[i] > bv || bi == INT_MAX)) { bv = x[i]; bi = e; }
+      for (int i = 0; i + 1 < kPerLane; ++i) key[i] = key[i + 1];
+      key[kPerLane - 1] = 0;
     }
-    warp_argmax(bv, bi);
-    if ((bi & 31) == lane) taken |= 1u << (bi / 32);
+    const float bv = key_value(best_hi);
     const float p = (bv == -INFINITY) ? 0.f : expf(bv - m) / s;
     sum_p += p;
-    if (lane == j) { my_id = bi; my_p = p; }
+    if (lane == j) { my_id = id; my_p = p; }
   }
 
   // 4. store (renormalized: w = p / Σ p over the k selected); lane k: the shared-expert slot
