@@ -26,12 +26,14 @@ Breakdown (bench_attention_layer_parts): at B = 1, L = 32K each launch of the gr
 timed alone (same rotation), so the step's distance from the floor can be attributed: projections
 (one w4a16_gemv_dual, q|gate de-interleaved on the store), qk_norm_rope, paged_decode with the
 output gate on its stores, o_proj (plain GEMV); plus, for comparison, the two launches the gated
-paged_decode replaced (ungated paged_decode, sigmoid_gate_mul), which are not part of the step.
+paged_decode replaced (ungated paged_decode, sigmoid_gate_mul), which are not part of the step, and
+the whole step both ways (as the layer runs it; with the gate as its own launch).
 Writes bench/results/bench_attention_layer.{md,json} and bench_attention_layer_parts.{md,json}.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import sys
@@ -133,6 +135,26 @@ def bench_point(cfg, layers, b: int, length: int, kv: str, iters: int) -> dict:
     return row
 
 
+@contextlib.contextmanager
+def gate_as_own_launch(enabled: bool):
+    """While enabled, the layer's gated paged_decode calls run ungated, then sigmoid_gate_mul."""
+    real = ops.paged_decode
+
+    def unfused(*args, gate=None, **kw):
+        out = real(*args, **kw)
+        if gate is None:
+            return out
+        nq, hd = out.shape[-2:]
+        return ops.sigmoid_gate_mul(out.reshape(-1, nq, hd), gate.reshape(-1, nq, hd)).view(out.shape)
+
+    if enabled:
+        ops.paged_decode = unfused
+    try:
+        yield
+    finally:
+        ops.paged_decode = real
+
+
 def bench_parts(cfg, layers, length: int, kv: str, iters: int) -> list[dict]:
     """Each launch of a B = 1 decode step timed alone under graph replay, rotated like the step."""
     nq, nkv, hd, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
@@ -177,6 +199,14 @@ def bench_parts(cfg, layers, length: int, kv: str, iters: int) -> list[dict]:
         us = time_cuda_graph(Rotator(n, fn), warmup=2, iters=iters, calls_per_graph=max(CALLS_PER_GRAPH, n))
         rows.append(dict(model=cfg.model_type, L=length, kv=kv, part=name, us=us,
                          floor_us=floor_us(nbytes) if nbytes else 0.0))
+    # The whole step as the layer runs it, and with the output gate as its own launch after an
+    # ungated paged_decode (the routing before the gate moved into paged_decode): A/B in one run.
+    step_floor = floor_us(step_bytes)
+    for name, unfused in (("whole step", False), ("whole step, gate as sigmoid_gate_mul", True)):
+        with gate_as_own_launch(unfused):
+            us = time_cuda_graph(Rotator(n, lambda i: layers[i](x, meta, cache, i)), warmup=2, iters=iters,
+                                 calls_per_graph=max(CALLS_PER_GRAPH, n))
+        rows.append(dict(model=cfg.model_type, L=length, kv=kv, part=name, us=us, floor_us=step_floor))
     del cache
     torch.cuda.empty_cache()
     return rows
