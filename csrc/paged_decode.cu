@@ -973,14 +973,18 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
   // only the partials need the wait.
   pdl_launch_dependents();
   const int seq_len = min(max(__ldg(a.seq_lens + b), 0), a.max_blocks * a.block_size);
+  // Gated: level-2 thread c's gate element, also before the wait (written, like seq_lens, before
+  // the attention grid's own wait returned; .cg: L2 only, no stale L1 line). After the wait it
+  // was a DRAM round trip on the critical path — the KV stream has evicted the q_proj output
+  // from L2 — that cost the layer step more than the sigmoid_gate_mul launch it saves.
+  const __nv_bfloat16* gate = gate_row(a, b, gr / pb.group, kvh * pb.group + gr % pb.group);
+  unsigned short gate_c = 0;
+  if (gate != nullptr && threadIdx.x < kGcCols)
+    gate_c = __ldcg(reinterpret_cast<const unsigned short*>(gate) + col0 + threadIdx.x);
   pdl_wait();                                   // attention grid done, partials visible
   const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
   if (count <= 1) return;                       // the attention kernel wrote out (whole CTA)
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;  // ≤ blockDim.x / kGcLanes
-  // Gated: level-2 thread c's gate element, loaded beside the partials (no round trip of its own).
-  const __nv_bfloat16* gate = gate_row(a, b, gr / pb.group, kvh * pb.group + gr % pb.group);
-  __nv_bfloat16 gate_c{};
-  if (gate != nullptr && threadIdx.x < kGcCols) gate_c = gate[col0 + threadIdx.x];
 
   __shared__ __align__(16) float og_s[kMaxGroups][kGcCols];     // level-1 results o_g
   __shared__ float lam_s[kMaxGroups];                           // λ_g (one row per CTA)
@@ -1040,7 +1044,8 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
     const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
     const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
     const __nv_bfloat16 o = __float2bfloat16_rn(__fmul_rn(acc, top_inv));
-    static_cast<__nv_bfloat16*>(a.out)[orow * hd + col0 + c] = gate == nullptr ? o : gate_mul(o, gate_c);
+    static_cast<__nv_bfloat16*>(a.out)[orow * hd + col0 + c] =
+        gate == nullptr ? o : gate_mul(o, __ushort_as_bfloat16(gate_c));
     if (a.lse != nullptr && col0 == 0 && c == 0) a.lse[orow] = top_lam * kLn2;
   }
 }
