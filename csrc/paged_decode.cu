@@ -122,6 +122,9 @@
 //   v8  QREG for fp8 too where 2 CTAs per SM hold the whole grid (one wave: B = 1 long
 //       sequences): Q was 16 of an fp8 tile's 30 ldmatrix per warp. 223 registers at hd 256
 //       (2 CTAs/SM); multi-wave fp8 grids keep the 166-register, 3-CTA instance.
+//   v9  Optional output gate (sigmoid_gate_mul fused into every store path, bitwise); the
+//       combine kernels trigger their dependents after their wait, not before (v7), so o_proj's
+//       GEMV is launched once the attention grid is done and places its CTAs evenly.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -965,18 +968,13 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
   const int gi = threadIdx.x / kGcLanes, lane = threadIdx.x % kGcLanes;
   const int e_cta = blockIdx.x * kGcCols;                      // row · hd + first column
   const int gr = e_cta / hd, col0 = e_cta % hd;
-  // The trigger first (v7): the next PDL kernel (the next layer's attention, whose CTAs warm
-  // L2 with their first KV tiles before their own wait, or o_proj's weight prefetch) may start
-  // launching while this grid waits; it still waits for this grid before reading its output.
   // seq_lens before the wait: this grid launches only once every attention CTA has passed its
   // own pdl_wait (then triggered), so whatever wrote seq_lens has completed and is visible;
-  // only the partials need the wait.
-  // Gated calls trigger after the wait instead: their dependent is o_proj's GEMV, and a GEMV
-  // grid launched while the attention grid drains lands its CTAs on the SMs that free up first,
-  // unevenly (H200, 27B layer step at B = 1 × 32K: 77.9 µs vs 75.8 with the gate as its own
-  // launch, which delayed o_proj's launch past this grid's wait).
-  const bool trigger_first = a.gate == nullptr;
-  if (trigger_first) pdl_launch_dependents();
+  // only the partials need the wait. The trigger comes after the wait (v9; v7 triggered first,
+  // so the next call's attention CTAs could warm L2 under this grid): in a model the dependent
+  // is o_proj's GEMV, and a GEMV grid launched while the attention grid drains lands its CTAs
+  // on the SMs that free up first, unevenly (H200, gated 27B layer step at B = 1 × 32K: 77.9 µs
+  // with the early trigger, 73.5 with this one).
   const int seq_len = min(max(__ldg(a.seq_lens + b), 0), a.max_blocks * a.block_size);
   // Gated: level-2 thread c's gate element, also before the wait (written, like seq_lens, before
   // the attention grid's own wait returned; .cg: L2 only, no stale L1 line). After the wait it
@@ -987,7 +985,7 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
   if (gate != nullptr && threadIdx.x < kGcCols)
     gate_c = __ldcg(reinterpret_cast<const unsigned short*>(gate) + col0 + threadIdx.x);
   pdl_wait();                                   // attention grid done, partials visible
-  if (!trigger_first) pdl_launch_dependents();
+  pdl_launch_dependents();
   const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
   if (count <= 1) return;                       // the attention kernel wrote out (whole CTA)
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;  // ≤ blockDim.x / kGcLanes
@@ -1086,9 +1084,7 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
   const PagedDecodeArgs& a = pb.a;
   const int hd = a.head_dim, kvh = blockIdx.y, b = blockIdx.z;
   const int e0 = blockIdx.x * kFlatElems + 4 * threadIdx.x;  // row · hd + column, column % 4 == 0
-  // Trigger first (gated: after the wait), seq_lens before the wait: as in the grouped kernel.
-  const bool trigger_first = a.gate == nullptr;
-  if (trigger_first) pdl_launch_dependents();
+  // seq_lens before the wait, the trigger after it: as in the grouped kernel.
   const int seq_len = min(max(__ldg(a.seq_lens + b), 0), a.max_blocks * a.block_size);
   // Gated: warm L2 with this thread's 4 gate elements (like seq_lens, written before the
   // attention grid's wait returned); they are loaded after the fold — loading them here
@@ -1098,7 +1094,7 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
     prefetch_l2(gate_row(a, b, gr / pb.group, kvh * pb.group + gr % pb.group) + e0 % hd);
   }
   pdl_wait();                                   // attention grid done, partials visible
-  if (!trigger_first) pdl_launch_dependents();
+  pdl_launch_dependents();
   const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;
   // count ≤ 1, or a fused sequence of one group: the attention kernel wrote out (see there)
