@@ -576,6 +576,27 @@ def test_cuda_graph_propose_equals_eager(kind):
 
 
 @pytest.mark.cuda
+def test_cuda_deleted_head_frees_its_graphs_without_gc():
+    """A head's captured propose graphs die with the head by reference counting: no cycle is
+    left for the cyclic GC, which could destroy them in the middle of a later capture and
+    invalidate it (bench_mtp's full grid on the H200, session 14)."""
+    import gc
+    import weakref
+    head = _head("dense", "nvfp4", device="cuda")
+    t, h = (x.cuda() for x in _inputs(_gen("gc", "dense"), head, 12))
+    head.prefill(0, t[:-1], h[:-1])
+    head.propose([0], t[-1:], h[-2:-1], 2)
+    graphs = [weakref.ref(g) for g in head._graphs.values()]
+    assert graphs
+    gc.disable()
+    try:
+        del head
+        assert all(r() is None for r in graphs)
+    finally:
+        gc.enable()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_batched_propose_equals_single(kind):
     g = _gen("cuda-batch", kind)

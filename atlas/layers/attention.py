@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from atlas import ops
+from atlas._graph import capture
 from atlas._validate import check_tensor
 from atlas.config import ModelConfig
 from atlas.kv_cache import AttentionMetadata, PagedKvCache
@@ -375,8 +376,7 @@ class DecodeGraph:
                 attn(self.hidden, self.meta, cache, layer)
         torch.cuda.current_stream(attn.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = attn(self.hidden, self.meta, cache, layer)
+        self.out = capture(self.graph, lambda: attn(self.hidden, self.meta, cache, layer))
 
     def replay(self) -> Tensor:
         """Replay with whatever the static buffers hold (benchmarks); returns the static output."""

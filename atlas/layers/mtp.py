@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from atlas import ops
+from atlas._graph import capture
 from atlas._validate import check_tensor
 from atlas.config import ModelConfig
 from atlas.kv_cache import AttentionMetadata, KvCacheExhausted, PagedKvCache
@@ -519,7 +520,8 @@ class ProposeGraph:
 
     def __init__(self, head: MtpHead, batch_size: int, num_drafts: int, meta: AttentionMetadata):
         dev = head.device
-        self.head, self.batch_size, self.num_drafts = head, batch_size, num_drafts
+        self.batch_size, self.num_drafts = batch_size, num_drafts   # no reference to head: it owns
+        # its graphs (head._graphs), and a cycle would leave a deleted head's graphs to the GC
         self.tokens = torch.zeros(batch_size, dtype=torch.int64, device=dev)
         self.hidden = torch.zeros(batch_size, head.hidden_size, dtype=torch.bfloat16, device=dev)
         self.meta = AttentionMetadata.empty(batch_size * num_drafts, batch_size, head.max_blocks_per_seq,
@@ -531,8 +533,8 @@ class ProposeGraph:
             head._propose_body(self.tokens, self.hidden, self.meta, num_drafts)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.drafts, self.confidence = head._propose_body(self.tokens, self.hidden, self.meta, num_drafts)
+        self.drafts, self.confidence = capture(
+            self.graph, lambda: head._propose_body(self.tokens, self.hidden, self.meta, num_drafts))
 
     def __call__(self, tokens: Tensor, hidden: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         self.tokens.copy_(tokens)
