@@ -93,8 +93,7 @@
 //   Activation rows ≥ the record's rows are zero-filled or stale: they feed only mma
 //     columns ≥ rows, which are never stored (mma columns are independent dot products).
 //   PDL: gate_up waits for the grouping kernel (local grouping: for the ids' producer) before
-//     reading anything, and triggers its dependents after its last job. down reads the records
-//     (or the ids) and issues its first kStages − CW
+//     reading anything. down reads the records (or the ids) and issues its first kStages − CW
 //     chunks of weights BEFORE griddepcontrol.wait: it is launched only once every gate_up CTA
 //     has executed launch_dependents or exited, and every gate_up CTA does either only after its
 //     own wait, which returns once the grouping grid (the ids' producer) has completed. The
@@ -474,7 +473,10 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
   const int nc_pad = ceil_div(nc, kStep) * kStep;   // positions per job
   const bool k_vec = K % kChunkK == 0;
 
-  if constexpr (kGateUp) pdl_wait();   // the records come from the kernel just before
+  if constexpr (kGateUp) {     // the records come from the kernel just before
+    pdl_wait();
+    pdl_launch_dependents();
+  }
   // down: the records (or ids) were complete before this grid launched (see the header: PDL).
   const int cta = blockIdx.x, ctas = gridDim.x;
   if (warp == 0 && !p.local) {   // job 0's record into L1 in the round trip of R (fetch(0) reads it;
@@ -827,12 +829,6 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
     cs.job += last;
     cs.stage = cs.stage + kStep < kStages ? cs.stage + kStep : cs.stage + kStep - kStages;
   }
-  // gate_up lets down launch only once its own jobs are done (down still waits for the whole
-  // grid before reading act). Triggering right after the wait (v5) launched down while this
-  // persistent grid still held the SMs, so down's CTAs landed on the SMs that freed first —
-  // several per SM there, none elsewhere, when jobs_bound makes its grid smaller than the
-  // device (the o_proj-after-paged_decode effect measured in bench/NOTES.md, session 14).
-  if constexpr (kGateUp) pdl_launch_dependents();
   cp_async_wait<0>();   // only empty groups are left
 }
 
