@@ -247,14 +247,6 @@ def gemv_dual(x: Tensor, q1: NVFP4Weight, q2: NVFP4Weight, *, qg_head_dim: int =
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def gemv_gated(x: Tensor, gate: Tensor, q: NVFP4Weight) -> Tensor:
-    """atlas.ops.w4a16_gemv_gated: bf16(x · sigmoid(gate)) · Wᵀ for x [T, K] bf16 and gate
-    [T, K] bf16 (rows may be strided) → [T, N] bf16, one launch per 32 rows."""
-    if x.shape[0] <= GEMV_MAX_ROWS:
-        return ops.w4a16_gemv_gated(x, gate, q)
-    return torch.cat([ops.w4a16_gemv_gated(x[r0:r1], gate[r0:r1], q) for r0, r1 in _row_chunks(x.shape[0])])
-
-
 def nvfp4_gemm(x: Tensor, q: NVFP4Weight) -> Tensor:
     """x [T, K] bf16 · dequant(q)ᵀ → [T, N] bf16 through torch (cuBLAS on the GPU), dequantizing
     ≤ 8 M weights at a time into a BF16 scratch so no full BF16 copy of the weight is kept."""
