@@ -64,6 +64,24 @@ def test_moe_route_kernel_matches_reference(dtype, t, e, k, renormalize):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("e,k", [(33, 4), (256, 8), (1024, 32)])
+def test_moe_route_kernel_masked_experts(dtype, e, k):
+    """−inf logits (masked experts) rank last, among themselves by index, with weight 0 — also
+    when a row has fewer than k finite logits (the kernel's padding keys must stay below them)."""
+    g = _gen("masked", dtype, e, k)
+    x = (torch.randn(6, e, generator=g) * 3).to(dtype)
+    x[:, torch.randperm(e, generator=g)[: e // 2]] = float("-inf")
+    x[1, : e - k // 2] = float("-inf")                 # row 1: only k/2 finite logits
+    x[2, :] = float("-inf")
+    x[2, 5] = 0.0                                     # row 2: one finite logit
+    ids_ref, w_ref = reference.moe_route(x, k, True)
+    ids, w = ops.moe_route(x.cuda(), k, True)
+    assert torch.equal(ids.cpu(), ids_ref)
+    torch.testing.assert_close(w.cpu(), w_ref, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.cuda
 def test_moe_route_kernel_graph_replay():
     x = torch.randn(8, 256, device="cuda")
     ops.moe_route(x, 8)
