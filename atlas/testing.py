@@ -36,6 +36,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from atlas import ops
 from atlas.fp8 import FP8_BLOCK, quantize_fp8_block   # Qwen FP8: one float32 scale per 128 × 128 block
 
 DIALECTS = ("bf16", "modelopt_nvfp4", "compressed_tensors_nvfp4", "fp8")
@@ -487,3 +488,24 @@ def _write_safetensors(out: Path, tensors: Iterator[tuple[str, Tensor]], shard_b
     index = {"metadata": {"total_size": total_bytes},
              "weight_map": {k: final[v] for k, v in sorted(weight_map.items())}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+# =============================================================================================
+# Stand-ins for A/B runs
+# =============================================================================================
+
+_paged_decode = ops.paged_decode   # the real op, even while a test or bench patches ops.paged_decode
+
+
+def paged_decode_gate_as_own_launch(*args, gate: Tensor | None = None, **kw):
+    """ops.paged_decode with its output gate applied afterwards by ops.sigmoid_gate_mul (two
+    launches): what a gated paged_decode must equal bit for bit (tests), and the attention layer's
+    routing before the gate moved into paged_decode (bench_attention_layer's A/B). Same arguments
+    and returns as ops.paged_decode."""
+    res = _paged_decode(*args, **kw)
+    if gate is None:
+        return res
+    out, rest = (res[0], res[1:]) if isinstance(res, tuple) else (res, ())
+    nq, hd = out.shape[-2:]
+    out = ops.sigmoid_gate_mul(out.reshape(-1, nq, hd), gate.reshape(-1, nq, hd)).view(out.shape)
+    return (out, *rest) if rest else out

@@ -47,6 +47,7 @@ import atlas  # noqa: E402
 from atlas import ops  # noqa: E402
 from atlas.kv_cache import PagedKvCache  # noqa: E402
 from atlas.layers.attention import Qwen3AttentionLayer, hf_attention  # noqa: E402
+from atlas.testing import paged_decode_gate_as_own_launch  # noqa: E402
 from common import (Rotator, copy_bandwidth_gbs, floor_us, require_cuda, rotation_count,  # noqa: E402
                     time_cuda_graph, time_events, write_results)
 
@@ -139,16 +140,8 @@ def bench_point(cfg, layers, b: int, length: int, kv: str, iters: int) -> dict:
 def gate_as_own_launch(enabled: bool):
     """While enabled, the layer's gated paged_decode calls run ungated, then sigmoid_gate_mul."""
     real = ops.paged_decode
-
-    def unfused(*args, gate=None, **kw):
-        out = real(*args, **kw)
-        if gate is None:
-            return out
-        nq, hd = out.shape[-2:]
-        return ops.sigmoid_gate_mul(out.reshape(-1, nq, hd), gate.reshape(-1, nq, hd)).view(out.shape)
-
     if enabled:
-        ops.paged_decode = unfused
+        ops.paged_decode = paged_decode_gate_as_own_launch
     try:
         yield
     finally:

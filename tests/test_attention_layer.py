@@ -206,6 +206,7 @@ def test_cuda_gate_in_paged_decode_bitwise_vs_unfused(monkeypatch, model, schedu
     outputs are bitwise those of paged_decode + sigmoid_gate_mul (the mixed-step path), for
     decode, verify and prefill steps, and within the bound of HF."""
     from atlas import ops
+    from atlas.testing import paged_decode_gate_as_own_launch
     cfg = real_config(model)
     g = _gen("gated_bitwise", model, repr(schedule))
     attn = Qwen3AttentionLayer.from_state_dict(cfg, attention_state_dict(cfg, "bf16", "l.", g, "cuda"), "l.",
@@ -218,19 +219,12 @@ def test_cuda_gate_in_paged_decode_bitwise_vs_unfused(monkeypatch, model, schedu
         calls["gated"] += gate is not None
         return real(*args, gate=gate, **kw)
 
-    def unfused(*args, gate=None, **kw):
-        out = real(*args, **kw)
-        if gate is None:
-            return out
-        nq, hd = out.shape[-2:]
-        return ops.sigmoid_gate_mul(out.reshape(-1, nq, hd), gate.reshape(-1, nq, hd)).view(out.shape)
-
     monkeypatch.setattr(ops, "paged_decode", counted)
     hidden, got = run_schedule(attn, cfg, schedule, kv_dtype=torch.bfloat16, device="cuda", block_size=16,
                                g=_gen("gated_bitwise_x", model, repr(schedule)))
     one_run = sum(len(set(step.values())) == 1 and max(step.values()) <= 8 for step in schedule)
     assert calls["gated"] == one_run                                # steps of one decode / verify run
-    monkeypatch.setattr(ops, "paged_decode", unfused)
+    monkeypatch.setattr(ops, "paged_decode", paged_decode_gate_as_own_launch)
     _, want = run_schedule(attn, cfg, schedule, kv_dtype=torch.bfloat16, device="cuda", block_size=16,
                            g=_gen("gated_bitwise_x", model, repr(schedule)))
     for s in hidden:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas import ops, reference
+from atlas.testing import paged_decode_gate_as_own_launch
 from helpers import poison_, rel_err
 
 BAD_ID = 2 ** 30   # table entries past a sequence's blocks: never read
@@ -386,10 +387,7 @@ def _gate_for(case, per_head: bool, gen):
 
 def _unfused(case, gate):
     """paged_decode, then sigmoid_gate_mul: what the gated call must equal bit for bit."""
-    out, lse = call(case, return_lse=True)
-    hd, nq = out.shape[-1], out.shape[-2]
-    gated = ops.sigmoid_gate_mul(out.reshape(-1, nq, hd), gate.reshape(-1, nq, hd))
-    return gated.view(out.shape), lse
+    return call(case, fn=paged_decode_gate_as_own_launch, return_lse=True, gate=gate)
 
 
 def test_gate_cpu_is_the_composition():
