@@ -58,10 +58,14 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// A logit as an unsigned key whose integer order is the float order (−inf lowest, NaN above
-// +inf), so warp maxima are one redux.sync; key 0 lies below every real logit's key.
+// A logit as an unsigned key whose integer order is the float order, so warp maxima are one
+// redux.sync: −inf lowest, −0 and +0 one key (equal logits: the lower index wins, as the
+// reference's stable sort), every NaN one key above +inf (torch sorts NaN first). Key 0 lies
+// below every logit's key.
 __device__ __forceinline__ uint32_t ordered_key(float v) {
-  const uint32_t u = __float_as_uint(v);
+  uint32_t u = __float_as_uint(v);
+  if (u == 0x80000000u) u = 0u;             // −0 → +0
+  if (v != v) u = 0x7FC00000u;              // any NaN → the canonical quiet NaN
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 __device__ __forceinline__ float key_value(uint32_t k) {

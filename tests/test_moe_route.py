@@ -75,6 +75,8 @@ def test_moe_route_kernel_masked_experts(dtype, e, k):
     x[1, : e - k // 2] = float("-inf")                 # row 1: only k/2 finite logits
     x[2, :] = float("-inf")
     x[2, 5] = 0.0                                     # row 2: one finite logit
+    x[3, :] = float("-inf")
+    x[3, :3] = torch.tensor([-0.0, 0.0, -0.0])        # row 3: −0 and +0 tie (lower index first)
     ids_ref, w_ref = reference.moe_route(x, k, True)
     ids, w = ops.moe_route(x.cuda(), k, True)
     assert torch.equal(ids.cpu(), ids_ref)

@@ -363,7 +363,8 @@ def test_kernel_verify_row_matches_decode(geom, kv_dtype):
 
 
 GATE_CASES = [  # (B, max_len, bs, hd, nq, nkv, q_len): every place out is written
-    (3, 200, 16, 128, 16, 2, 1),         # one split: the attention kernel stores out
+    (3, 120, 16, 128, 16, 2, 1),         # L ≤ 128, one split: the attention kernel stores out
+    (2, 100, 16, 256, 32, 2, 8),         # one split, 128 rows per kv head: 4 row tiles, 2 row groups
     (3, 1000, 16, 256, 24, 4, 3),        # ≤ 16 splits: the flat combine (split mode)
     (128, 1000, 16, 256, 24, 4, 1),      # fused mode, one group: the attention kernel folds and stores
     (64, 3000, 16, 64, 8, 8, 1),         # fused mode, 2 groups: the flat combine (fused)
