@@ -639,11 +639,10 @@ def paged_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: 
                      what="bf16 shaped like query")
         g4 = gate if gate.dim() == 4 else gate.unsqueeze(1)
         strides = [g4.stride(i) for i in range(3) if g4.shape[i] > 1]   # a size-1 dim's stride is unused
-        if (g4.stride(3) != 1 or any(st % 8 != 0 or st < 0 for st in strides)
-                or (g4.storage_offset() * 2) % 16 != 0):
+        if g4.stride(3) != 1 or any(st % 8 != 0 or st < 0 for st in strides) or g4.data_ptr() % 16 != 0:
             raise ValueError(f"{op}: gate must have a contiguous last dim, strides that are multiples of "
-                             f"8 and a 16-byte aligned start, got strides {gate.stride()}, storage offset "
-                             f"{gate.storage_offset()}")
+                             f"8 and a 16-byte aligned start, got strides {gate.stride()}, address "
+                             f"{g4.data_ptr():#x}")
     if not seq_lens.is_cuda and not block_tables.is_cuda:   # CUDA tensors would need a sync
         _check_paged_decode_indices(op, block_tables, seq_lens, bs, num_blocks)
 
