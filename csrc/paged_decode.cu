@@ -950,8 +950,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
 // loaded before the level-2 chain starts). And the CTAs are small (128 threads, 2.1 KB smem,
 // 48 registers, 56 since v9's gate load): beside two bf16 attention CTAs of 190 registers
 // (217 KB smem, 48K registers) they fit and are resident before the attention grid drains
-// (PDL); beside the QREG instance
-// (237 registers, v6) or fp8's three CTAs they are placed as attention CTAs exit.
+// (PDL); beside the QREG instance (237 registers, v6) or fp8's three CTAs they are placed as
+// attention CTAs exit.
 // The alternative weighed: level 1 folded inside the attention kernel by the last CTA of each
 // 8-split group to finish (arrival counter + threadfence): at B = 1 the grid is one wave that
 // finishes together, so that fold sits on the critical path behind a fence, an atomic and a
