@@ -129,6 +129,7 @@
 #include <cuda_runtime.h>
 
 #include "common/checks.h"
+#include "common/gate.cuh"
 #include "common/pdl.cuh"
 #include "paged_decode.h"
 
@@ -330,10 +331,10 @@ __device__ __forceinline__ const __nv_bfloat16* gate_row(const PagedDecodeArgs& 
          h * a.gate_stride_h;
 }
 // One output element from its f32 value v (column c of the row): bf16(v), or gated
-// bf16(bf16(v) · (1 / (1 + exp(−gate[c])))) — written as csrc/sigmoid_gate.cu writes it, so
-// the fused call is bitwise paged_decode followed by sigmoid_gate_mul.
+// bf16(bf16(v) · sigmoid(gate[c])) through sigmoid_gate_mul's own expression (common/gate.cuh),
+// so the fused call is bitwise paged_decode followed by sigmoid_gate_mul.
 __device__ __forceinline__ __nv_bfloat16 gate_mul(__nv_bfloat16 o, __nv_bfloat16 g) {
-  return __float2bfloat16_rn(__bfloat162float(o) * (1.0f / (1.0f + expf(-__bfloat162float(g)))));
+  return __float2bfloat16_rn(sigmoid_gate_f32(__bfloat162float(o), __bfloat162float(g)));
 }
 __device__ __forceinline__ __nv_bfloat16 out_elem(const __nv_bfloat16* gate, int c, float v) {
   const __nv_bfloat16 o = __float2bfloat16_rn(v);

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include "common/checks.h"
+#include "common/gate.cuh"
 #include "common/pdl.cuh"
 #include "sigmoid_gate.h"
 
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(kThreads) sigmoid_gate_mul_kernel(const Sigmoi
 #pragma unroll
     for (int i = 0; i < kVec / 2; ++i) {
       const float2 xf = __bfloat1622float2(xp[i]), gf = __bfloat1622float2(gp[i]);
-      op[i] = __floats2bfloat162_rn(xf.x * (1.0f / (1.0f + expf(-gf.x))), xf.y * (1.0f / (1.0f + expf(-gf.y))));
+      op[i] = __floats2bfloat162_rn(sigmoid_gate_f32(xf.x, gf.x), sigmoid_gate_f32(xf.y, gf.y));
     }
     out[v] = ov;
   }

@@ -99,6 +99,7 @@
 #include <cuda_fp8.h>
 
 #include "common/checks.h"
+#include "common/gate.cuh"
 #include "common/nvfp4_mma.cuh"
 
 namespace atlas {
@@ -174,13 +175,13 @@ struct SplitPlan {
 
 // The fused activation of one element in f32 (rounded once to bf16 by the caller), written
 // exactly as the unfused kernels write it so the composition is bitwise the same:
-// silu(x)·x2 as reference.silu_mul (w4a16_gemv_silu), x·sigmoid(x2) as csrc/sigmoid_gate.cu
-// (the reciprocal first, then the product: not x / (1 + e), which rounds differently).
+// silu(x)·x2 as reference.silu_mul (w4a16_gemv_silu), x·sigmoid(x2) through the shared
+// sigmoid_gate_f32 (common/gate.cuh) that csrc/sigmoid_gate.cu uses.
 template <GemvAct kAct>
 __device__ __forceinline__ float activation_f32(float x, float x2) {
   static_assert(kAct != GemvAct::kPlain, "plain activations are not converted");
   if constexpr (kAct == GemvAct::kSiluMul) return x / (1.0f + expf(-x)) * x2;
-  else return x * (1.0f / (1.0f + expf(-x2)));
+  else return sigmoid_gate_f32(x, x2);
 }
 
 // Output column of weight row n: identity, or the q/gate de-interleave of w4a16_gemv_qg.
