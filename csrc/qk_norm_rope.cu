@@ -24,7 +24,8 @@
 // lane (32 at rot = 64) into shared memory. Shared memory: 8·2·hd·4 bytes (16 KB at hd = 256).
 //
 // Launched with programmatic dependent launch (common/pdl.cuh): the kernel is scheduled while the
-// projection GEMV drains and waits for it before touching memory.
+// projection GEMV drains; the RoPE table, norm weights and cache slot are prepared before its
+// wait (v2, see step 0), the q / k / v rows read after it.
 //
 // Floor: reads T·(nq + 2·nkv)·hd·2 bytes and writes T·(nq·hd·2 + 2·nkv·hd·c) (c = 2 bf16, 1 fp8);
 // decode at 27B shapes (nq 24, nkv 4, hd 256) moves ~33 KB per token: launch-bound (~2 µs
@@ -102,16 +103,47 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
   __shared__ float rope_cos[kWarps][HD / 2];        // the warp's token: cos, sin per frequency
   __shared__ float rope_sin[kWarps][HD / 2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  pdl_wait();                       // launched with PDL: the projections' outputs are visible now
-  pdl_launch_dependents();
   const int rows_per_token = a.nq + 2 * a.nkv;
   const int64_t task = int64_t(blockIdx.x) * kWarps + warp;          // [0, T·rows_per_token)
-  if (task >= int64_t(a.num_tokens) * rows_per_token) return;         // warp-uniform
-  const int64_t t = task / rows_per_token;                             // token, [0, T)
+  const bool has_task = task < int64_t(a.num_tokens) * rows_per_token;   // warp-uniform
+  const int64_t t = has_task ? task / rows_per_token : 0;               // token, [0, T)
   const int r = static_cast<int>(task % rows_per_token);
   const RowKind kind = r < a.nq ? RowKind::kQuery : r < a.nq + a.nkv ? RowKind::kKey : RowKind::kValue;
   const int head = kind == RowKind::kQuery ? r : kind == RowKind::kKey ? r - a.nq : r - a.nq - a.nkv;
   const int d0 = lane * kPerLane;                                      // first owned dim
+  const int half = a.rotary_dim / 2;
+
+  // Step 0, BEFORE the wait (v2): everything that does not come from the projection — the
+  // token's RoPE table (a float64 sincos per frequency), the norm weights, the cache slot. This
+  // grid is launched once the projection GEMV has passed its own wait (it triggers after its
+  // main loop), so whatever wrote positions / slot_mapping before that GEMV ran is complete
+  // and visible; the weights are constants. Contract: positions and slot_mapping must not be
+  // written by the kernel launched right before this one (in the layers they are step inputs,
+  // written before the projection). v1 loaded them after the wait: three dependent round trips
+  // (positions → sincos, weights, slot) on the critical path of a ≈ 3 µs kernel.
+  float w_norm[kPerLane];
+  int64_t slot = -1;
+  if (has_task && kind != RowKind::kValue) {
+    if (half > 0) {
+      const double pos = static_cast<double>(a.positions[t]);
+      for (int fi = lane; fi < half; fi += 32) {
+        double sn, cs;
+        sincos(pos * exp2(-(2.0 * fi / a.rotary_dim) * a.log2_theta), &sn, &cs);
+        rope_cos[warp][fi] = static_cast<float>(cs);
+        rope_sin[warp][fi] = static_cast<float>(sn);
+      }
+    }
+    const void* w = kind == RowKind::kQuery ? a.q_norm_weight : a.k_norm_weight;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const float wi = load_weight(w, a.weight_f32, d0 + i);
+      w_norm[i] = a.zero_centered ? 1.0f + wi : wi;
+    }
+  }
+  if (has_task && kind != RowKind::kQuery) slot = a.slot_mapping[t];
+  pdl_wait();                       // launched with PDL: the projections' outputs are visible now
+  pdl_launch_dependents();
+  if (!has_task) return;
 
   // Step 1: load the row (kPerLane contiguous bf16 per lane).
   const __nv_bfloat16* src =
@@ -121,31 +153,14 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
   float f[kPerLane];
   load_bf16<kPerLane>(src + d0, f);
 
-  const int half = a.rotary_dim / 2;
   if (kind != RowKind::kValue) {
-    // Step 2a: the token's RoPE table, one frequency per lane (a float64 sincos costs hundreds of
-    // cycles: computing it once per element would serialize kPerLane of them per lane).
-    if (half > 0) {
-      const double pos = static_cast<double>(a.positions[t]);
-      for (int fi = lane; fi < half; fi += 32) {
-        double s, c;
-        sincos(pos * exp2(-(2.0 * fi / a.rotary_dim) * a.log2_theta), &s, &c);
-        rope_cos[warp][fi] = static_cast<float>(c);
-        rope_sin[warp][fi] = static_cast<float>(s);
-      }
-    }
-
-    // Step 2b: RMSNorm over the head (fp32), weight with the zero-centered offset.
+    // Step 2: RMSNorm over the head (fp32), weight with the zero-centered offset (step 0).
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) ss = fmaf(f[i], f[i], ss);
     const float inv_rms = rsqrtf(warp_sum(ss) / float(HD) + a.eps);
-    const void* w = kind == RowKind::kQuery ? a.q_norm_weight : a.k_norm_weight;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const float wi = load_weight(w, a.weight_f32, d0 + i);
-      f[i] = f[i] * inv_rms * (a.zero_centered ? 1.0f + wi : wi);
-    }
+    for (int i = 0; i < kPerLane; ++i) f[i] = f[i] * inv_rms * w_norm[i];
 
     // Step 3: partial NeoX RoPE on dims [0, rot); partners and the table from shared memory.
     if (half > 0) {
@@ -171,8 +186,7 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
     for (int i = 0; i < kPerLane; ++i) f[i] = __bfloat162float(__float2bfloat16_rn(f[i]));
   }
 
-  // Step 4: K or V row into the cache at this token's slot (skipped when out of range).
-  const int64_t slot = a.slot_mapping[t];
+  // Step 4: K or V row into the cache at this token's slot (step 0; skipped when out of range).
   if (slot < 0 || slot >= a.num_slots) return;
   const int64_t row_index = slot * a.nkv + head;                       // [num_slots · nkv)
   void* cache = kind == RowKind::kKey ? a.k_cache : a.v_cache;

@@ -243,8 +243,8 @@ int main(int argc, char** argv) {
   const bool full = !(argc > 1 && std::string(argv[1]) == "time");
   int sms;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const Config configs[] = {{1, 32768, 16, 2, false}, {1, 32768, 16, 2, true}, {1, 1024, 16, 2, false},
-                            {32, 32768, 16, 2, false}};
+  const Config configs[] = {{1, 32768, 16, 2, false}, {1, 32768, 16, 2, true}, {1, 32768, 24, 4, false},
+                            {1, 1024, 16, 2, false}, {32, 32768, 16, 2, false}};
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   float* sink;

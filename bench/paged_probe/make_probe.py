@@ -196,20 +196,25 @@ after("  const int e_cta = blockIdx.x * kGcCols;                      // row · 
 after("  const int e0 = blockIdx.x * kFlatElems + 4 * threadIdx.x;  // row · hd + column, column % 4 == 0",
       COMB_ENTRY.replace("{kind}", "kFused ? 2 : 1"))
 # both combines' wait lines are identical (same comment): exactly two, stamped alike
-_wait = "  pdl_wait();                                   // attention grid done, partials visible\n"
+# (v10: inside the live pass of each combine's two-pass loop, so indented by 6)
+_wait = "      pdl_wait();                               // attention grid done, partials visible\n"
 assert src.count(_wait) == 2, f"combine pdl_wait lines: {src.count(_wait)}, want 2"
-src = src.replace(_wait, _wait + COMB_WAIT)
+src = src.replace(_wait, _wait + "".join("    " + l + "\n" if l else "\n" for l in COMB_WAIT.split("\n")[:-1]))
 replace("""\
-    if (a.lse != nullptr && col0 == 0 && c == 0) a.lse[orow] = top_lam * kLn2;
+    __syncthreads();                            // pass 0's level 2 is done with og_s / lam_s
   }
 }""", """\
-    if (a.lse != nullptr && col0 == 0 && c == 0) a.lse[orow] = top_lam * kLn2;
+    __syncthreads();                            // pass 0's level 2 is done with og_s / lam_s
   }
 """ + COMB_EXIT + "}\n")
 replace("""\
-  if (a.lse != nullptr && col == 0) a.lse[orow] = top_lam * kLn2;
+      if (a.lse != nullptr && col == 0) a.lse[orow] = top_lam * kLn2;
+    }
+  }
 }""", """\
-  if (a.lse != nullptr && col == 0) a.lse[orow] = top_lam * kLn2;
+      if (a.lse != nullptr && col == 0) a.lse[orow] = top_lam * kLn2;
+    }
+  }
 """ + COMB_EXIT + "}\n")
 
 # ---- launcher: the record buffers, the warm-up override, what was launched ---------------------
