@@ -812,7 +812,10 @@ def qk_norm_rope(q: Tensor, k: Tensor, v: Tensor, q_norm_weight: Tensor, k_norm_
     Each output value is rounded to bf16 once. K's bf16 row is what a BF16 cache stores and
     what an FP8 cache quantizes, exactly as reshape_and_cache does (scale = amax / 448 per
     (token, kv head), IEEE division), so an FP8 cache holds the same bytes either way.
-    No host sync; CUDA-graph capturable.
+    No host sync; CUDA-graph capturable. Launched with programmatic dependent launch: positions,
+    slot_mapping and the norm weights are read before the kernel waits for the previous one, so
+    they must not be outputs of the kernel launched right before it (q, k, v may be; in the
+    layer that kernel is the q/k/v projection).
 
     Args:
         q: [T, nq, hd] bf16, last dim contiguous, other strides multiples of 8 elements (a view

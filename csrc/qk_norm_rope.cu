@@ -24,8 +24,8 @@
 // lane (32 at rot = 64) into shared memory. Shared memory: 8·2·hd·4 bytes (16 KB at hd = 256).
 //
 // Launched with programmatic dependent launch (common/pdl.cuh): the kernel is scheduled while the
-// projection GEMV drains; the RoPE table, norm weights and cache slot are prepared before its
-// wait (v2, see step 0), the q / k / v rows read after it.
+// projection GEMV drains; it triggers its own dependents first, prepares the RoPE table, norm
+// weights and cache slot before its wait (v2, see step 0) and reads the q / k / v rows after it.
 //
 // Floor: reads T·(nq + 2·nkv)·hd·2 bytes and writes T·(nq·hd·2 + 2·nkv·hd·c) (c = 2 bf16, 1 fp8);
 // decode at 27B shapes (nq 24, nkv 4, hd 256) moves ~33 KB per token: launch-bound (~2 µs
@@ -103,6 +103,11 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
   __shared__ float rope_cos[kWarps][HD / 2];        // the warp's token: cos, sin per frequency
   __shared__ float rope_sin[kWarps][HD / 2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Trigger first (v2): the attention grid's CTAs launch now and warm L2 with their first KV
+  // tiles before their own wait (paged_decode v7). With step 0 below between this grid's start
+  // and a trigger placed after the wait, that warm-up started later and the layer step got
+  // slower although this kernel got faster (H200 A/B, bench/NOTES.md, qk_norm_rope v2).
+  pdl_launch_dependents();
   const int rows_per_token = a.nq + 2 * a.nkv;
   const int64_t task = int64_t(blockIdx.x) * kWarps + warp;          // [0, T·rows_per_token)
   const bool has_task = task < int64_t(a.num_tokens) * rows_per_token;   // warp-uniform
@@ -120,7 +125,8 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
   // and visible; the weights are constants. Contract: positions and slot_mapping must not be
   // written by the kernel launched right before this one (in the layers they are step inputs,
   // written before the projection). v1 loaded them after the wait: three dependent round trips
-  // (positions → sincos, weights, slot) on the critical path of a ≈ 3 µs kernel.
+  // (positions → sincos, weights, slot) on the critical path of a ≈ 3 µs kernel (graph-replayed
+  // chain: 2.97 → 1.8 µs).
   float w_norm[kPerLane];
   int64_t slot = -1;
   if (has_task && kind != RowKind::kValue) {
@@ -142,7 +148,6 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
   }
   if (has_task && kind != RowKind::kQuery) slot = a.slot_mapping[t];
   pdl_wait();                       // launched with PDL: the projections' outputs are visible now
-  pdl_launch_dependents();
   if (!has_task) return;
 
   // Step 1: load the row (kPerLane contiguous bf16 per lane).
