@@ -125,6 +125,9 @@
 //   v9  Optional output gate (sigmoid_gate_mul fused into every store path, bitwise); the
 //       combine kernels trigger their dependents after their wait, not before (v7), so o_proj's
 //       GEMV is launched once the attention grid is done and places its CTAs evenly.
+//   v10 KV copies carry an L2 evict-first cache policy (cp_async_16_kv), and both combines run
+//       their post-wait code once before the wait on throwaway loads (a cold-code fix: the
+//       grouped combine's wait-to-exit went 2.6–4.9 → 1.8–2.8 µs on the H200). Same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
