@@ -314,6 +314,23 @@ __device__ __forceinline__ void fold_result(const Fold& f, float& lam, float& in
   lam = f.L > 0.f ? __fadd_rn(f.m, __log2f(f.L)) : -INFINITY;
   inv = f.L > 0.f ? __fdiv_rn(1.f, f.L) : 0.f;
 }
+// Level 1 of the canonical merge over a float4 column slice (both combines): slots 0 .. n − 1 of
+// one split group folded in order → og (unnormalized), the group's λ_g and 1 / L_g.
+__device__ __forceinline__ void fold_group4(const float (&lam)[kSplitGroup], const float4 (&o)[kSplitGroup], int n,
+                                            float (&og)[4], float& lam_g, float& inv_g) {
+  Fold f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) og[i] = 0.f;
+#pragma unroll
+  for (int k = 0; k < kSplitGroup; ++k) {
+    if (k < n) {
+      float ca, cc;
+      fold_coeffs(f, lam[k], ca, cc);
+      fold_elem4(og, ca, o[k], cc);
+    }
+  }
+  fold_result(f, lam_g, inv_g);
+}
 
 // Four e4m3 bytes [b0 b1 b2 b3] → bf16x2 (b0, b2) and (b1, b3), each value fp8 · 2^-120 exactly:
 // sign stays at bit 15 of each half, the 7 exponent/mantissa bits move down by 4.
@@ -1038,18 +1055,8 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
           o[k] = __ldcg(reinterpret_cast<const float4*>(a.partial_o + prow * hd + o_col));  // 16-byte aligned
         }
       }
-      Fold f;
-      float og[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int k = 0; k < kSplitGroup; ++k) {
-        if (k < n) {
-          float ca, cc;
-          fold_coeffs(f, lam[k], ca, cc);
-          fold_elem4(og, ca, o[k], cc);
-        }
-      }
-      float lam_g, inv_g;
-      fold_result(f, lam_g, inv_g);
+      float og[4], lam_g, inv_g;
+      fold_group4(lam, o, n, og, lam_g, inv_g);
       *reinterpret_cast<float4*>(&og_s[gi][4 * lane]) =
           make_float4(__fmul_rn(og[0], inv_g), __fmul_rn(og[1], inv_g), __fmul_rn(og[2], inv_g), __fmul_rn(og[3], inv_g));
       if (lane == 0) lam_s[gi] = lam_g;
@@ -1182,18 +1189,8 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
 #pragma unroll
         for (int k = 0; k < kSplitGroup; ++k)
           if (k < n) load(s0 + k, lam[k], o[k]);
-        Fold f;                                 // level 1: this group's splits, in order
-        float og[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int k = 0; k < kSplitGroup; ++k) {
-          if (k < n) {
-            float ca, cc;
-            fold_coeffs(f, lam[k], ca, cc);
-            fold_elem4(og, ca, o[k], cc);
-          }
-        }
-        float lam_g, inv_g;
-        fold_result(f, lam_g, inv_g);
+        float og[4], lam_g, inv_g;              // level 1: this group's splits, in order
+        fold_group4(lam, o, n, og, lam_g, inv_g);
         float ta, tc;                           // level 2: the group into the sequence's fold
         fold_coeffs(top, lam_g, ta, tc);
 #pragma unroll
