@@ -814,8 +814,9 @@ def qk_norm_rope(q: Tensor, k: Tensor, v: Tensor, q_norm_weight: Tensor, k_norm_
     (token, kv head), IEEE division), so an FP8 cache holds the same bytes either way.
     No host sync; CUDA-graph capturable. Launched with programmatic dependent launch: positions,
     slot_mapping and the norm weights are read before the kernel waits for the previous one, so
-    they must not be outputs of the kernel launched right before it (q, k, v may be; in the
-    layer that kernel is the q/k/v projection).
+    they must be complete by the time that kernel lets its dependents launch — never its own
+    outputs (q, k, v may be). In the layer that kernel is the q/k/v projection, which triggers
+    only after its own wait, and positions / slots are step inputs.
 
     Args:
         q: [T, nq, hd] bf16, last dim contiguous, other strides multiples of 8 elements (a view

@@ -122,9 +122,10 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const QkNormRope
   // token's RoPE table (a float64 sincos per frequency), the norm weights, the cache slot. This
   // grid is launched once the projection GEMV has passed its own wait (it triggers after its
   // main loop), so whatever wrote positions / slot_mapping before that GEMV ran is complete
-  // and visible; the weights are constants. Contract: positions and slot_mapping must not be
-  // written by the kernel launched right before this one (in the layers they are step inputs,
-  // written before the projection). v1 loaded them after the wait: three dependent round trips
+  // and visible; the weights are constants. Contract: positions and slot_mapping must be
+  // complete when the kernel launched right before this one triggers its dependents — never its
+  // outputs (in the layers they are step inputs, written before the projection, and the GEMV
+  // triggers only after its own wait). v1 loaded them after the wait: three dependent round trips
   // (positions → sincos, weights, slot) on the critical path of a ≈ 3 µs kernel (graph-replayed
   // chain: 2.97 → 1.8 µs).
   float w_norm[kPerLane];
