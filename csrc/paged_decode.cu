@@ -314,6 +314,20 @@ __device__ __forceinline__ void fold_result(const Fold& f, float& lam, float& in
   lam = f.L > 0.f ? __fadd_rn(f.m, __log2f(f.L)) : -INFINITY;
   inv = f.L > 0.f ? __fdiv_rn(1.f, f.L) : 0.f;
 }
+// Slots 0 .. n − 1 (of N) of a float4 column slice folded into (f, acc) in order — the step both
+// combines' levels share.
+template <int N>
+__device__ __forceinline__ void fold_slots4(Fold& f, float (&acc)[4], const float (&lam)[N], const float4 (&o)[N],
+                                            int n) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    if (k < n) {
+      float ca, cc;
+      fold_coeffs(f, lam[k], ca, cc);
+      fold_elem4(acc, ca, o[k], cc);
+    }
+  }
+}
 // Level 1 of the canonical merge over a float4 column slice (both combines): slots 0 .. n − 1 of
 // one split group folded in order → og (unnormalized), the group's λ_g and 1 / L_g.
 __device__ __forceinline__ void fold_group4(const float (&lam)[kSplitGroup], const float4 (&o)[kSplitGroup], int n,
@@ -321,14 +335,7 @@ __device__ __forceinline__ void fold_group4(const float (&lam)[kSplitGroup], con
   Fold f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) og[i] = 0.f;
-#pragma unroll
-  for (int k = 0; k < kSplitGroup; ++k) {
-    if (k < n) {
-      float ca, cc;
-      fold_coeffs(f, lam[k], ca, cc);
-      fold_elem4(og, ca, o[k], cc);
-    }
-  }
+  fold_slots4(f, og, lam, o, n);
   fold_result(f, lam_g, inv_g);
 }
 
@@ -1172,14 +1179,7 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
 #pragma unroll
       for (int gi = 0; gi < kMaxGroups; ++gi)
         if (gi < groups) load(gi, lam[gi], o[gi]);
-#pragma unroll
-      for (int gi = 0; gi < kMaxGroups; ++gi) {
-        if (gi < groups) {
-          float ca, cc;
-          fold_coeffs(top, lam[gi], ca, cc);
-          fold_elem4(acc, ca, o[gi], cc);
-        }
-      }
+      fold_slots4(top, acc, lam, o, groups);
     } else {
 #pragma unroll 1
       for (int gi = 0; gi < groups; ++gi) {
