@@ -138,6 +138,7 @@
 #include "common/checks.h"
 #include "common/nvfp4_mma.cuh"
 #include "common/pdl.cuh"
+#include "common/prefetch.cuh"
 #include "moe_experts.h"
 #include "w4a16_gemv.h"
 
@@ -361,13 +362,6 @@ __host__ __device__ constexpr StageLayout stage_layout() {
 template <class F>
 __host__ __device__ constexpr int min_blocks(int mt, bool gate_up) {
   return F::kScaled && mt == 1 ? (gate_up ? 5 : 6) : 2;
-}
-
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-
-// One bulk L2 prefetch of `bytes` (multiple of 16) contiguous bytes at `p` (16-byte aligned).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
 // 4-byte async copy (a global scale into a job slot), in the thread's current commit group.

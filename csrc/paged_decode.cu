@@ -134,6 +134,7 @@
 #include "common/checks.h"
 #include "common/gate.cuh"
 #include "common/pdl.cuh"
+#include "common/prefetch.cuh"
 #include "paged_decode.h"
 
 namespace atlas {
@@ -232,15 +233,6 @@ __device__ __forceinline__ void cp_async_16_kv(uint32_t dst, const void* src, bo
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 4 : 0));
-}
-// L1 prefetch of a global line (generic address; no fault, no register result): warms the L1
-// for an __ldg issued later, so that load does not wait a dependent round trip of its own.
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.L1 [%0];\n" ::"l"(p)); }
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
-// L2 prefetch of `bytes` (a multiple of 16) from a 16-byte aligned global address, one
-// instruction (sm_90 bulk prefetch); a hint only: no result, no effect on memory.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

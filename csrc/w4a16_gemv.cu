@@ -101,6 +101,7 @@
 #include "common/checks.h"
 #include "common/gate.cuh"
 #include "common/nvfp4_mma.cuh"
+#include "common/prefetch.cuh"
 
 namespace atlas {
 namespace {
@@ -646,9 +647,13 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
 //     4w + t, so the 4 addresses of a load are 4 consecutive slots: conflict-free).
 // Same segments, same mma sequence per chunk, same sums and store (mma_chunk, SegmentSums,
 // store_rows) as w4a16_gemv_kernel: a row is bitwise the same as in an M > 1 call.
-// Shared memory: K_cta·2 + W · kStagesM1 · 1152 B (K = 5120 plain: 10 + 23 KB → 6
-// four-warp CTAs per SM).
-constexpr int kStagesM1 = 5;
+// Shared memory: K_cta·2 + W · kStagesM1 · 1152 B (K = 5120 plain: 10 + 14 KB → 8 four-warp
+// CTAs per SM, the 64-register limit too). kStagesM1 = 3 (v3.11; 5 before): two chunks in
+// flight per warp, and the deeper rings were slower on every shape of the probe (M = 1 µs at
+// depth 5 / 4 / 3 with the v3.11 prologue: 27B q+gate+k+v 19.7 / 16.5 / 15.9, 35B q+gate+k+v
+// 8.1 / 7.0 / 6.4, 27B LM head 184 / 183 / 180): fewer CTAs fit an SM, and each CTA's
+// activations wait behind more weight requests.
+constexpr int kStagesM1 = 3;
 constexpr int kWarpStageBytes = kTileN * (kRowBytes + kScaleBytes);   // 1152
 
 struct M1Layout {
@@ -666,6 +671,7 @@ __host__ __device__ inline M1Layout m1_layout(int warps, int chunks) {
 __device__ __forceinline__ int m1_unit_slot(int u) { return 4 * (u & 3) + (u >> 2); }
 
 constexpr int kMaxWarpsM1 = 8;   // warp-split CTAs: 8 warps over one tile's 8 segments
+constexpr int kM1MinBlocks = 4;   // plain instances: ≤ 64 registers, so 4 eight-warp CTAs fit an SM
 
 // The K range (in chunks) whose activations one one-row CTA stages.
 __host__ __device__ inline int m1_cta_chunks(const SplitPlan& plan, int num_chunks) {
@@ -674,7 +680,8 @@ __host__ __device__ inline int m1_cta_chunks(const SplitPlan& plan, int num_chun
 
 // kIndexed: an expert-indexed launch (args.slots, W4A16GemvSlots; moe_experts at T = 1).
 template <GemvAct kAct, bool kIndexed>
-__global__ void __launch_bounds__((kAct == GemvAct::kPlain ? kMaxWarpsM1 : kMaxWarps) * 32)
+__global__ void __launch_bounds__((kAct == GemvAct::kPlain ? kMaxWarpsM1 : kMaxWarps) * 32,
+                                  kAct == GemvAct::kPlain ? kM1MinBlocks : 0)   // 0: no minimum
 w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
                      int groups0,            // row groups of weight 0 (the rest belong to weight 1)
                      SplitPlan plan) {       // segments of K over the CTAs (blockIdx.x)
@@ -766,19 +773,37 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     s_src += s_step;
   };
 
-  // ---- prologue: the first kStagesM1 − 1 chunks' weights (before the previous kernel is
-  // waited for: weights are constants), then the CTA's activations, one barrier, converted.
+  // ---- prologue (v3.11). Before the previous kernel is waited for (weights are constants): an
+  // L2 prefetch of the ring's first kStagesM1 − 1 chunks, which occupies no load-path slot.
+  // After it: the activations' loads, and only then the ring's copies of those chunks (L2 hits
+  // by now, or merged with the prefetch). Copies issued before the wait queued the activations'
+  // L2 hits behind every CTA's weight requests: the probe's activation phase grew with the
+  // ring depth (35B q+gate+k+v: 2.9 µs at 5 stages).
   if (warp_has_rows) {
 #pragma unroll
     for (int p = 0; p < kStagesM1 - 1; ++p) {
-      if (p < chunks) issue(ring + p * kWarpStageBytes);
-      cp_async_commit();
+      if (p < chunks) {
+        prefetch_l2(w_src[0] + p * w_step);
+        prefetch_l2(w_src[1] + p * w_step);
+        if (s_issuer) prefetch_l2(s_src + p * s_step);
+      }
     }
   }
+  auto issue_prologue = [&] {
+    if (warp_has_rows) {
+#pragma unroll
+      for (int p = 0; p < kStagesM1 - 1; ++p) {
+        if (p < chunks) issue(ring + p * kWarpStageBytes);
+        cp_async_commit();
+      }
+    }
+  };
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x / x2 and out are now safe
   // Activations through registers (L2-cached loads, 4 units per thread in flight), permuted or
   // converted, stored to their slots: no cp.async group to wait for, so the weight chunks
-  // above keep streaming and the main loop starts as soon as its first chunk lands.
+  // keep streaming and the main loop starts as soon as its first chunk lands. The ring's
+  // copies go right behind the thread's first batch of loads (threads without an activation
+  // unit issue them after the loop).
   const uint4* x = reinterpret_cast<const uint4*>(x_row + static_cast<int64_t>(c_begin) * kChunkK);
   const uint4* x2 = kRaw ? reinterpret_cast<const uint4*>(x2_row + static_cast<int64_t>(c_begin) * kChunkK)
                          : nullptr;
@@ -794,6 +819,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
         if constexpr (kRaw) b[j] = __ldcg(x2 + i);
       }
     }
+    if (i0 == tid) issue_prologue();
 #pragma unroll
     for (int j = 0; j < kUnitBatch; ++j) {
       const int i = i0 + j * nthreads;
@@ -817,6 +843,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
       }
     }
   }
+  if (tid >= units) issue_prologue();
   __syncthreads();
 
   // ---- main loop: chunk cc of this warp's tile; stage cc mod kStagesM1 ----
@@ -948,6 +975,7 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
 constexpr int kM1MaxSmem = 160 * 1024;
 constexpr int kWarpSplitActBytes = 40 * 1024;   // K ≤ 20480: warp split instead of a cluster
 constexpr int kWarpSplitMaxTilesPerSm = 24;     // one split, but a few long CTAs per SM: warp split
+constexpr int kWarpSplitMinChunks = 4;          // chunks per warp below which 8 warps per tile lose
 int m1_smem(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, const SplitPlan& plan) {
   if (a.m != 1 || !vec) return 0;
   const int bytes = std::max(m1_layout(warps, m1_cta_chunks(plan, a.k / kChunkK)).bytes,
@@ -1075,11 +1103,14 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   // chunks at K = 5120, where v1's 8-way clusters gave each CTA 5), segs / 2 or segs that
   // still gives ≥ 3 four-warp CTAs per SM (132 SMs on the H200). Warps: 4 unless that leaves
   // fewer than 2 CTAs per SM; small N (one expert, 512 rows) gets 1-warp CTAs.
-  static int sm_count[kMaxDevices] = {};
+  static int sm_count[kMaxDevices] = {}, sm_smem[kMaxDevices] = {}, cta_smem_reserved[kMaxDevices] = {};
   int dev = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
   if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
   if (sm_count[dev] == 0) {
+    ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_smem[dev], cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+    ATLAS_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&cta_smem_reserved[dev], cudaDevAttrReservedSharedMemoryPerBlock, dev));
     ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
   }
   int tiles = 0;   // of the whole launch (every slot)
@@ -1135,7 +1166,16 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     //    gate_up even (34.6 vs 34.9); the LM heads (117 tiles per SM) lose 11–28% (each CTA
     //    stages all of K for one tile), so they keep one split.
     const bool stage_all_k = chunks * kXRowBytes <= kWarpSplitActBytes;
-    const int ws = splits > 1 ? splits : (tiles <= kWarpSplitMaxTilesPerSm * sms ? segs / 2 : 1);
+    int ws = splits > 1 ? splits : (tiles <= kWarpSplitMaxTilesPerSm * sms ? segs / 2 : 1);
+    //  - S = segs (eight warps, one segment each) instead of segs / 2 where every warp still
+    //    streams ≥ kWarpSplitMinChunks chunks and the one-tile CTAs all fit at once (v3.12: twice
+    //    the warps on the same SMs; probe: 27B down 21.4 → 19.7 µs, 27B o 9.3 → 9.15; 35B
+    //    q+gate+k+v, 2 chunks per warp, 6.7 → 9.2 and 27B q+gate+k+v, two waves, 15.9 → 16.7
+    //    are kept out by the two conditions).
+    if (ws == segs / 2 && ws > 1 && chunks >= kWarpSplitMinChunks * segs) {
+      const int per_sm = std::min(kM1MinBlocks, sm_smem[dev] / (m1_layout(segs, chunks).bytes + cta_smem_reserved[dev]));
+      if (tiles <= per_sm * sms) ws = segs;
+    }
     if (stage_all_k && ws > 1) {
       warp_splits = ws;
       warps = std::max(1, kMaxWarps / ws) * ws;
