@@ -1101,8 +1101,7 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   // Splits and warps (16-row tiles) per CTA; numerics depend on neither (SplitPlan). Splits:
   // the fewest of 1 (no cluster: one CTA streams all of K, its setup amortized over up to 40
   // chunks at K = 5120, where v1's 8-way clusters gave each CTA 5), segs / 2 or segs that
-  // still gives ≥ 3 four-warp CTAs per SM (132 SMs on the H200). Warps: 4 unless that leaves
-  // fewer than 2 CTAs per SM; small N (one expert, 512 rows) gets 1-warp CTAs.
+  // still gives ≥ 3 four-warp CTAs per SM (132 SMs on the H200). Warps: see below.
   static int sm_count[kMaxDevices] = {}, sm_smem[kMaxDevices] = {}, cta_smem_reserved[kMaxDevices] = {};
   int dev = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
@@ -1125,18 +1124,24 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   for (const int s : {1, segs / 2}) {
     if (s >= 1 && s < splits && ceil_div(units, kMaxWarps) * s >= 3 * sms) { splits = s; break; }
   }
+  // Warps (tiles per CTA): 4 for the staged kernel (M > 1), fewer only where N has fewer warp
+  // work items. v3.13: the probe's sweep of every (splits, warps) at M = 8 and 32 (session 16)
+  // found 4 warps best or within 4% on every shape; the rules below, which gave small and mid
+  // shapes 1- or 2-warp CTAs, cost up to 35% there (M = 8: 35B q+gate+k+v 12.7 µs vs 9.4,
+  // gate_up 49.7 vs 43.4; M = 32: shared expert 6.1 vs 4.2).
   int warps = kMaxWarps;
-  while (warps > 1 && ceil_div(units, warps) * splits < 2 * sms) warps /= 2;
-  // Balance (M ≤ 8): a grid of a few long CTAs per SM ends with the SM holding the most, so of
-  // W = 4 and 2 take the one whose CTAs per SM fall closest below a whole number (gate_up
-  // 34816×5120, one split: 544 four-warp CTAs = 4.12 per SM → 0.82 of the SMs' time used,
-  // 1088 two-warp CTAs = 8.24 → 0.92). M > 8 keeps W = 4: each CTA re-reads the activations.
-  if (warps == kMaxWarps && a.m <= 8) {
-    auto used = [&](int w) {
-      const double per_sm = double(ceil_div(tiles, w) * splits) / sms;
-      return per_sm / std::ceil(per_sm);
-    };
-    if (used(kMaxWarps / 2) > used(kMaxWarps) + 0.05) warps = kMaxWarps / 2;
+  while (warps > 1 && warps / 2 >= units) warps /= 2;
+  if (a.m == 1) {   // silu / gated one-row launches (plain ones are re-planned below): v3.x's rule
+    while (warps > 1 && ceil_div(units, warps) * splits < 2 * sms) warps /= 2;
+    // Balance: a grid of a few long CTAs per SM ends with the SM holding the most, so of W = 4
+    // and 2 take the one whose CTAs per SM fall closest below a whole number.
+    if (warps == kMaxWarps) {
+      auto used = [&](int w) {
+        const double per_sm = double(ceil_div(tiles, w) * splits) / sms;
+        return per_sm / std::ceil(per_sm);
+      };
+      if (used(kMaxWarps / 2) > used(kMaxWarps) + 0.05) warps = kMaxWarps / 2;
+    }
   }
   // M = 1 on the vector path (the one-row kernel): 4 warps per CTA and the fewest splits that
   // give every SM a CTA. v3.4's sweep of every (splits, warps) on the H200 (bench/NOTES.md) found
