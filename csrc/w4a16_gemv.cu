@@ -42,10 +42,12 @@
 //         2 × MT·8 × 256 B more per stage, → f32 silu(x)·x2 or x·sigmoid(x2), RNE to bf16,
 //         permuted). Each thread's copy plan (2 weight pieces, 1 scale piece, its
 //         activation units) is fixed per CTA and advanced by a constant per chunk.
-//   launch: programmatic dependent launch. The prologue's weight and scale loads are issued
-//         before griddepcontrol.wait (weights are constants: no kernel before this one writes
-//         them), activations and outputs only after it; launch_dependents after the main loop
-//         lets the next kernel's prologue overlap this epilogue.
+//   launch: programmatic dependent launch. Weights are constants (no kernel before this one
+//         writes them), so they are requested before griddepcontrol.wait — the staged kernel's
+//         prologue copies, the one-row kernel's L2 prefetch (v3.11: its copies follow the
+//         activation loads, which had queued behind them) — activations and outputs only after
+//         it; launch_dependents after the main loop lets the next kernel's prologue overlap
+//         this epilogue.
 //   split-K (S > 1): the S CTAs of a cluster store their segment partials [spc][16W, 8MT] f32 in
 //         shared memory; rank r sums elements r, r+S·threads, … over all segments in order
 //         through distributed shared memory (fixed order: deterministic, no atomics).
@@ -64,7 +66,9 @@
 //         rows stay batch invariant. v3.6: K split over the warps of one CTA (S warps per
 //         tile, partials summed in shared memory in segment order: a cluster's bits) wherever
 //         the CTA can stage all of K — instead of clusters, and for mid shapes with few long
-//         CTAs per SM (launch_w4a16_gemv).
+//         CTAs per SM (launch_w4a16_gemv); v3.12: 8 such warps (one segment each) where the
+//         grid still fits one wave. v3.11: a 3-stage ring (was 5), prologue as under launch.
+//   M = 2..32: 4-warp CTAs whatever N (v3.13; the launcher had given small N 1- or 2-warp CTAs).
 //   M > 16 (v3.9): two adjacent 16-row tiles per warp (template TPW), each B fragment loaded
 //         once for both and the CTA's per-chunk activation staging serving 128 rows (v3.8 had
 //         given such CTAs 8 warps of one tile instead: bench/NOTES.md); v3.10: one tile per
