@@ -68,7 +68,8 @@
 //         the CTA can stage all of K — instead of clusters, and for mid shapes with few long
 //         CTAs per SM (launch_w4a16_gemv); v3.12: 8 such warps (one segment each) where the
 //         grid still fits one wave. v3.11: a 3-stage ring (was 5), prologue as under launch.
-//   M = 2..32: 4-warp CTAs whatever N (v3.13; the launcher had given small N 1- or 2-warp CTAs).
+//   M = 2..32: 4-warp CTAs unless N has fewer warp work items (v3.13; the launcher had given
+//         small N 1- or 2-warp CTAs).
 //   M > 16 (v3.9): two adjacent 16-row tiles per warp (template TPW), each B fragment loaded
 //         once for both and the CTA's per-chunk activation staging serving 128 rows (v3.8 had
 //         given such CTAs 8 warps of one tile instead: bench/NOTES.md); v3.10: one tile per
@@ -1135,7 +1136,8 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   // gate_up 49.7 vs 43.4; M = 32: shared expert 6.1 vs 4.2).
   int warps = kMaxWarps;
   while (warps > 1 && warps / 2 >= units) warps /= 2;
-  if (a.m == 1) {   // silu / gated one-row launches (plain ones are re-planned below): v3.x's rule
+  if (a.m == 1) {   // silu / gated, and plain M = 1 off the vector path (the vector plain ones
+                    // are re-planned below): the earlier rule
     while (warps > 1 && ceil_div(units, warps) * splits < 2 * sms) warps /= 2;
     // Balance: a grid of a few long CTAs per SM ends with the SM holding the most, so of W = 4
     // and 2 take the one whose CTAs per SM fall closest below a whole number.
@@ -1176,11 +1178,11 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     //    stages all of K for one tile), so they keep one split.
     const bool stage_all_k = chunks * kXRowBytes <= kWarpSplitActBytes;
     int ws = splits > 1 ? splits : (tiles <= kWarpSplitMaxTilesPerSm * sms ? segs / 2 : 1);
-    //  - S = segs (eight warps, one segment each) instead of segs / 2 where every warp still
-    //    streams ≥ kWarpSplitMinChunks chunks and the one-tile CTAs all fit at once (v3.12: twice
-    //    the warps on the same SMs; probe: 27B down 21.4 → 19.7 µs, 27B o 9.3 → 9.15; 35B
-    //    q+gate+k+v, 2 chunks per warp, 6.7 → 9.2 and 27B q+gate+k+v, two waves, 15.9 → 16.7
-    //    are kept out by the two conditions).
+    //  - S = segs (eight warps, one segment each) instead of segs / 2 where a segment holds
+    //    ≥ kWarpSplitMinChunks chunks on average (the last may be shorter) and the one-tile CTAs
+    //    all fit at once (v3.12: twice the warps on the same SMs; probe: 27B down 21.4 → 19.7 µs,
+    //    27B o 9.3 → 9.15; 35B q+gate+k+v, 2 chunks per warp, 6.7 → 9.2 and 27B q+gate+k+v, two
+    //    waves, 15.9 → 16.7 are kept out by the two conditions).
     if (ws == segs / 2 && ws > 1 && chunks >= kWarpSplitMinChunks * segs) {
       const int per_sm = std::min(kM1MinBlocks, sm_smem[dev] / (m1_layout(segs, chunks).bytes + cta_smem_reserved[dev]));
       if (tiles <= per_sm * sms) ws = segs;
