@@ -1131,9 +1131,9 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   }
   // Warps (tiles per CTA): 4 for the staged kernel (M > 1), fewer only where N has fewer warp
   // work items. v3.13: the probe's sweep of every (splits, warps) at M = 8 and 32 (session 16)
-  // found 4 warps best or within 4% on every shape; the rules below, which gave small and mid
-  // shapes 1- or 2-warp CTAs, cost up to 35% there (M = 8: 35B q+gate+k+v 12.7 µs vs 9.4,
-  // gate_up 49.7 vs 43.4; M = 32: shared expert 6.1 vs 4.2).
+  // found 4 warps best or within 4% on every shape; the rules below (now M = 1 only), which
+  // gave small and mid shapes 1- or 2-warp CTAs, cost up to 35% there (M = 8: 35B q+gate+k+v
+  // 12.7 µs vs 9.4, gate_up 49.7 vs 43.4; M = 32: shared expert 6.1 vs 4.2).
   int warps = kMaxWarps;
   while (warps > 1 && warps / 2 >= units) warps /= 2;
   if (a.m == 1) {   // silu / gated, and plain M = 1 off the vector path (the vector plain ones
@@ -1184,7 +1184,8 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     //    27B o 9.3 → 9.15; 35B q+gate+k+v, 2 chunks per warp, 6.7 → 9.2 and 27B q+gate+k+v, two
     //    waves, 15.9 → 16.7 are kept out by the two conditions).
     if (ws == segs / 2 && ws > 1 && chunks >= kWarpSplitMinChunks * segs) {
-      const int per_sm = std::min(kM1MinBlocks, sm_smem[dev] / (m1_layout(segs, chunks).bytes + cta_smem_reserved[dev]));
+      const int cta_smem = m1_layout(segs, chunks).bytes + cta_smem_reserved[dev];
+      const int per_sm = std::min(kM1MinBlocks, sm_smem[dev] / cta_smem);
       if (tiles <= per_sm * sms) ws = segs;
     }
     if (stage_all_k && ws > 1) {
