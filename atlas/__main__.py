@@ -30,6 +30,7 @@ import torch
 
 import atlas
 from atlas import _ext
+from atlas._timing import copy_bandwidth_gbs, time_events
 
 # =============================================================================================
 # info
@@ -313,40 +314,6 @@ def draft_bytes(cfg, *, batch: int, context: int, weight_format: str, kv_dtype: 
     return {"weights": attn + fc + ffn + head, "kv": kv, "total": attn + fc + ffn + head + kv}
 
 
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Measured device-to-device copy bandwidth, GB/s of bytes read + written."""
-    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        y.copy_(x)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    del x, y
-    return 2 * nbytes / statistics.median(times) / 1e9
-
-
-def _time_events(fn: Callable[[], object], iters: int) -> float:
-    """Median µs of fn() between CUDA events (fn is device work only, e.g. a graph replay)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(times)
-
-
 def _time_wall(fn: Callable[[], object], iters: int, sync: bool) -> float:
     """Median wall-clock µs of fn() including its host work (and the device work when sync)."""
     fn()
@@ -473,7 +440,7 @@ def cmd_draft_bench(args) -> int:
             try:
                 mtp.propose(seq_ids, last, hid, drafts)
                 if gpu:
-                    us = _time_events(mtp.capture_propose(b, drafts).replay, iters)
+                    us = time_events(mtp.capture_propose(b, drafts).replay, warmup=3, iters=iters)
             except Exception as e:
                 if not gpu:
                     raise

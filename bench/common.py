@@ -14,6 +14,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from atlas import _timing
+from atlas._timing import time_events  # noqa: F401  (the bench scripts import it from here)
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 L2_BYTES = 60 * 2**20  # H200 L2 (read off the device in gpu_name(); this is the fallback)
 
@@ -21,22 +24,6 @@ L2_BYTES = 60 * 2**20  # H200 L2 (read off the device in gpu_name(); this is the
 def gpu_name() -> str:
     p = torch.cuda.get_device_properties(0)
     return f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB)"
-
-
-def time_events(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) -> float:
-    """Median µs of fn() between CUDA events, one event pair per call (eager launches)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def time_cuda_graph(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20,
@@ -96,11 +83,7 @@ def copy_bandwidth_gbs(nbytes: int = 2 * 2**30) -> float:
     ceiling every floor in bench/ divides by; ≈ 4300 GB/s on the H200)."""
     global _COPY_BW
     if _COPY_BW is None:
-        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        us = time_events(lambda: dst.copy_(src), warmup=3, iters=20)
-        _COPY_BW = 2 * src.numel() / (us * 1e-6) / 1e9
-        del src, dst
+        _COPY_BW = _timing.copy_bandwidth_gbs(nbytes)
     return _COPY_BW
 
 
