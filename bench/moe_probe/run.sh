@@ -14,9 +14,17 @@ for v in "${variants[@]}"; do
   n=${v:1:1}; m=${v:2:1}
   sed "s/return mt == 1 ? 5 : 6; }/return mt == 1 ? $n : $m; }/" ../../csrc/moe_experts.cu > "$tmp/$v.cu"
 done
+pids=()
 for v in "${variants[@]}"; do
+  rm -f "$tmp/$v"
   nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr -I../../csrc -o "$tmp/$v" driver.cu "$tmp/$v.cu" \
     ../../csrc/w4a16_gemv.cu > "$tmp/build_$v.log" 2>&1 &
+  pids+=($!)
 done
-wait
-for v in "${variants[@]}"; do echo "=== $v"; "$tmp/$v"; done
+for i in "${!variants[@]}"; do
+  wait "${pids[$i]}" || { echo "build ${variants[$i]} failed"; tail -20 "$tmp/build_${variants[$i]}.log"; }
+done
+for v in "${variants[@]}"; do
+  echo "=== $v"
+  [ -x "$tmp/$v" ] && { "$tmp/$v" || echo "run $v rc=$?"; }
+done
