@@ -1,5 +1,5 @@
-// Shared by the torch-free probe drivers (bench/gemv_probe, bench/paged_probe): the CUDA error
-// check, graph-replayed timing, and quantiles of per-CTA stamps.
+// Shared by the torch-free probe drivers (bench/gemv_probe, bench/paged_probe, bench/moe_probe):
+// the CUDA error check, graph-replayed timing, quantiles of per-CTA stamps, input fills.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -53,6 +53,20 @@ T quantile(std::vector<T> v, double q) {
   if (v.empty()) return T(0);
   std::sort(v.begin(), v.end());
   return v[std::min(v.size() - 1, size_t(q * v.size()))];
+}
+
+// Timing-only inputs: hashed random bytes (packed e2m1 weights, bf16 bits) and finite e4m3
+// block scales.
+__global__ void fill_bytes(uint8_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
+    p[i] = uint8_t(h);
+  }
+}
+__global__ void fill_scales(uint8_t* p, size_t n) {  // e4m3 in [2^-4, 2^3]: finite, no NaN
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = uint8_t(0x20 + (i * 7) % 0x30);
 }
 
 // A grid-stride XOR over p[0, n16) (16-byte units, 4 streaming loads in flight per thread): the

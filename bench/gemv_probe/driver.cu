@@ -29,17 +29,6 @@ extern int g_force_splits, g_force_warps, g_force_wsplits, g_last_splits, g_last
 }  // namespace atlas
 using namespace atlas;
 
-__global__ void fill_bytes(uint8_t* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
-    p[i] = uint8_t(h);
-  }
-}
-__global__ void fill_scales(uint8_t* p, size_t n) {  // e4m3 in [2^-4, 2^3]: finite, no NaN
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = uint8_t(0x20 + (i * 7) % 0x30);
-}
 // p: [n16] 16-byte units, 4 loads in flight per thread; out written only on an impossible value.
 __global__ void read_bytes(const uint4* __restrict__ p, size_t n16, float* out) {
   if (read_units(p, n16) == 0x12345678u) out[0] = 1.0f;

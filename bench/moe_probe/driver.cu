@@ -22,17 +22,6 @@
 
 using namespace atlas;
 
-__global__ void fill_bytes(uint8_t* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
-    p[i] = uint8_t(h);
-  }
-}
-__global__ void fill_scales(uint8_t* p, size_t n) {  // e4m3 in [2^-4, 2^3]: finite, no NaN
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = uint8_t(0x20 + (i * 7) % 0x30);
-}
 __global__ void fill_bf16(uint16_t* p, size_t n) {  // finite bf16 in ±[0.5, 2)
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     p[i] = uint16_t(0x3F00 + (i * 37) % 0x100) | uint16_t((i & 1) << 15);
