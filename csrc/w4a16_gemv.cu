@@ -1125,9 +1125,15 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   // activations over fewer than 2 tiles per SM, where halving the warp work items costs more.
   const int tpw = a.m > 16 && (raw || tiles >= kTpwMinTilesPerSm * sms) ? 2 : 1;
   const int units = ceil_div(tiles, tpw);                 // warp work items
+  // Splits: the fewest giving ≥ kMinCtasPerSm CTAs per SM — 3 (M ≤ 16), 2 at two tiles per warp
+  // (TPW = 2: 168-register CTAs, 3 resident per SM). v3.14, from the probe's M = 32 sweep
+  // (session 16, call 10; 4 warps): gate_up s1 79 µs vs s4 92, 35B q+gate+k+v s4 19 vs s8 20.5;
+  // every other shape's pick unchanged (27B q+gate+k+v keeps s4, 48 µs, where s8 read 44). At
+  // M = 8 the threshold 2 would cost 27B o (s4 13.4 vs s8 12.3) and down (29.7 vs 24.8).
+  const int min_ctas_per_sm = tpw == 2 ? 2 : 3;
   int splits = segs;
   for (const int s : {1, segs / 2}) {
-    if (s >= 1 && s < splits && ceil_div(units, kMaxWarps) * s >= 3 * sms) { splits = s; break; }
+    if (s >= 1 && s < splits && ceil_div(units, kMaxWarps) * s >= min_ctas_per_sm * sms) { splits = s; break; }
   }
   // Warps (tiles per CTA): 4 for the staged kernel (M > 1), fewer only where N has fewer warp
   // work items. v3.13: the probe's sweep of every (splits, warps) at M = 8 and 32 (session 16)
