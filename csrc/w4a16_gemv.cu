@@ -74,6 +74,10 @@
 //         once for both and the CTA's per-chunk activation staging serving 128 rows (v3.8 had
 //         given such CTAs 8 warps of one tile instead: bench/NOTES.md); v3.10: one tile per
 //         warp again for plain activations over fewer than 2 tiles per SM (kTpwMinTilesPerSm).
+//   M = 2..8 (v3.15): two tiles per warp as well for plain activations on the vector path over
+//         ≥ 2 tiles per SM, unless that leaves one split of fewer than 3 CTAs per SM: the
+//         activation bytes each CTA re-reads from L2 (K_cta × M × 2 per 64 rows) were ≈ 45% of
+//         the weight bytes at M = 8 (bench/NOTES.md, session 17).
 //   tails: rows ≥ n (the one-row kernel: they read row n − 1 instead) and (generic path) k ≥ K
 //         are zero-filled by cp.async; K % 128 == 0 with
 //         16-byte-aligned rows takes the vector path, any K % 16 == 0 the generic one.
@@ -421,7 +425,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   const W4A16GemvWeight& wt = args.w[wi];
   const int group = blockIdx.y - (wi ? groups0 : 0);
   const int K = args.k, M = args.m, n_rows = wt.n;
-  static_assert(TPW == 1 || (TPW == 2 && MT >= 3), "two tiles per warp only for M > 16");
+  static_assert(TPW == 1 || TPW == 2, "two tiles per warp: M > 16, or plain M = 2..8 (launcher)");
   const int tiles_cta = warps * TPW;
   const int row0 = group * tiles_cta * kTileN;          // first weight row of this CTA
   const int num_chunks = (K + kChunkK - 1) / kChunkK;
@@ -1017,13 +1021,17 @@ cudaError_t launch_act(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, i
                : launch_instance<MT, false, kAct, TPW>(a, grid, warps, groups0, plan, stream);
   };
   // M > 16: two tiles per warp; one for plain activations where the launcher picks it (silu /
-  // gated at M > 16 always take two: no one-tile instance of them).
+  // gated at M > 16 always take two: no one-tile instance of them). Plain M = 2..8 on the
+  // vector path: two where the launcher picks it (v3.15), else one.
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
   if constexpr (MT >= 3 && kAct != GemvAct::kPlain) {
     return plan.tiles_per_warp == 2 ? run(Two{}) : cudaErrorInvalidValue;
   } else if constexpr (MT >= 3) {
     if (plan.tiles_per_warp == 2) return run(Two{});
+    return plan.tiles_per_warp == 1 ? run(One{}) : cudaErrorInvalidValue;
+  } else if constexpr (kAct == GemvAct::kPlain) {   // M = 2..8: two where the launcher picks it (v3.15)
+    if (plan.tiles_per_warp == 2 && vec) return run(Two{});
     return plan.tiles_per_warp == 1 ? run(One{}) : cudaErrorInvalidValue;
   } else {
     return plan.tiles_per_warp == 1 ? run(One{}) : cudaErrorInvalidValue;
@@ -1123,18 +1131,33 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   const int sms = sm_count[dev];
   // The staged kernel's tiles per warp (kTpwMinTilesPerSm): two at M > 16, except plain
   // activations over fewer than 2 tiles per SM, where halving the warp work items costs more.
-  const int tpw = a.m > 16 && (raw || tiles >= kTpwMinTilesPerSm * sms) ? 2 : 1;
-  const int units = ceil_div(tiles, tpw);                 // warp work items
-  // Splits: the fewest giving ≥ kMinCtasPerSm CTAs per SM — 3 (M ≤ 16), 2 at two tiles per warp
-  // (TPW = 2: 168-register CTAs, 3 resident per SM). v3.14, from the probe's M = 32 sweep
-  // (session 16, call 10; 4 warps): gate_up s1 79 µs vs s4 92, 35B q+gate+k+v s4 19 vs s8 20.5;
-  // every other shape's pick unchanged (27B q+gate+k+v keeps s4, 48 µs, where s8 read 44). At
-  // M = 8 the threshold 2 would cost 27B o (s4 13.4 vs s8 12.3) and down (29.7 vs 24.8).
-  const int min_ctas_per_sm = tpw == 2 ? 2 : 3;
-  int splits = segs;
-  for (const int s : {1, segs / 2}) {
-    if (s >= 1 && s < splits && ceil_div(units, kMaxWarps) * s >= min_ctas_per_sm * sms) { splits = s; break; }
+  // Splits: the fewest giving ≥ min_ctas_per_sm CTAs per SM — 3 at one tile per warp, 2 at two
+  // (TPW = 2: 168-register CTAs at M > 16, 3 resident per SM). v3.14, from the probe's M = 32
+  // sweep (session 16, call 10; 4 warps): gate_up s1 79 µs vs s4 92, 35B q+gate+k+v s4 19 vs s8
+  // 20.5; every other shape's pick unchanged (27B q+gate+k+v keeps s4, 48 µs, where s8 read 44).
+  auto pick_splits = [&](int units, int min_ctas_per_sm) {
+    int sp = segs;
+    for (const int s : {1, segs / 2}) {
+      if (s >= 1 && s < sp && ceil_div(units, kMaxWarps) * s >= min_ctas_per_sm * sms) { sp = s; break; }
+    }
+    return sp;
+  };
+  const bool many_tiles = tiles >= kTpwMinTilesPerSm * sms;
+  int tpw = a.m > 16 && (raw || many_tiles) ? 2 : 1;
+  // v3.15: plain M = 2..8 on the vector path take two tiles per warp too (each B fragment and
+  // the CTA's activation stage then serve twice the weight rows: the staged kernel's L2 traffic
+  // for activations, CTAs × K_cta × M × 2 B, was ≈ 45% of the weight bytes at M = 8 on 64-row
+  // CTAs) — except where that leaves one split of long CTAs at fewer than 3 per SM (gate_up at
+  // M = 8: 272 CTAs of 40 chunks, 48.5 µs vs 43.2) or where no split gives 2 per SM (27B o and
+  // down, 320 CTAs at every split: 13.1 vs 12.0 and 25.8 vs 24.8 µs). The probe and bench at
+  // M = 8 (session 17, bench/NOTES.md): LM heads −6 / −8%, q+gate+k+v −2 / −11%; at M = 16 the
+  // probe was mixed (LM heads −10%, 35B q+gate+k+v and 27B o +7%), so M = 9..16 keep one.
+  if (a.m > 1 && a.m <= 8 && !raw && vec && many_tiles) {
+    const int s2 = pick_splits(ceil_div(tiles, 2), 2);
+    if ((s2 > 1 && s2 < segs) || ceil_div(ceil_div(tiles, 2), kMaxWarps) >= 3 * sms) tpw = 2;
   }
+  const int units = ceil_div(tiles, tpw);                 // warp work items
+  int splits = pick_splits(units, tpw == 2 ? 2 : 3);
   // Warps (tiles per CTA): 4 for the staged kernel (M > 1), fewer only where N has fewer warp
   // work items. v3.13: the probe's sweep of every (splits, warps) at M = 8 and 32 (session 16)
   // found 4 warps best or within 4% on every shape; the rules below (now M = 1 only), which
