@@ -12,7 +12,8 @@
 //         row's result is 0 + p_0 + p_1 + … in segment order (f32), p_j its segment partials.
 //         S (per launch, from N) is 1 (one CTA walks every segment, keeping the running sum:
 //         large N, e.g. LM heads), segs/2 (2 segments per CTA) or segs (1 per CTA), the fewest
-//         giving ≥ 3 four-warp CTAs per SM. Every S gives the same bits (SplitPlan).
+//         giving ≥ 3 four-warp CTAs per SM (2 at two tiles per warp, v3.14). Every S gives the
+//         same bits (SplitPlan).
 //   block W warps (W = 1, 2 or 4, picked from N so ≥ 2 CTAs per SM exist); warp w owns the
 //         16-row tile (group·W + w) and all M columns, over the CTA's contiguous K range (M > 16:
 //         tiles (group·W + w)·2 and +1, TPW = 2).
