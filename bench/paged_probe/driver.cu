@@ -13,6 +13,9 @@
 //   read_us    a plain contiguous 16-byte-load read of the same number of KV bytes
 //   pread_us   a read of exactly the call's K / V rows through its block table (16-position
 //              blocks, one kv head's 512 B rows at a 1 KB stride): the paged layout's own cost
+//   padj_us    the same rows, the kv heads' CTAs of one block adjacent in launch order
+//   pall_us    one CTA per block reading all kv heads' rows (contiguous nkv · 512 B per position):
+//              what a kernel that handled every kv head of a split would read (session 17)
 //   floor_us   (KV + FP8 scale) bytes / 4.2 TB/s
 // then the launch the shape gets (attention grid; instance: m_tiles, QREG, splits per CTA, v7
 // warm-up, stages, registers, smem, CTAs the device holds at once; combine kind, CTAs, threads,
@@ -116,6 +119,55 @@ __global__ void read_paged(const uint8_t* __restrict__ k, const uint8_t* __restr
       const int kv = u / (kBs * units_per_row), pos = (u / units_per_row) % kBs, c = u % units_per_row;
       const uint8_t* row = (kv == 0 ? k : v) + (((int64_t)blk * kBs + pos) * nkv + kvh) * row_bytes;
       x[i] = __ldcs(reinterpret_cast<const uint4*>(row) + c);
+    }
+  }
+  uint32_t acc = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc ^= x[i].x;
+  if (acc == 0x12345678u) out[0] = 1.0f;
+}
+
+// The same rows with the kv heads' CTAs of one block launched next to each other
+// (grid (nkv, blocks, B): blockIdx.x = kv head) — read_paged's order is kv head 0's blocks, then 1's.
+__global__ void read_paged_adjacent(const uint8_t* __restrict__ k, const uint8_t* __restrict__ v,
+                                    const int32_t* __restrict__ tables, int max_blocks, int nkv, int row_bytes,
+                                    float* out) {
+  const int kvh = blockIdx.x, j = blockIdx.y, b = blockIdx.z;
+  const int blk = tables[(int64_t)b * max_blocks + j];
+  const int units_per_row = row_bytes / 16, units = 2 * kBs * units_per_row;
+  uint4 x[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int u = i * 128 + threadIdx.x;
+    x[i] = make_uint4(0, 0, 0, 0);
+    if (u < units) {
+      const int kv = u / (kBs * units_per_row), pos = (u / units_per_row) % kBs, c = u % units_per_row;
+      const uint8_t* row = (kv == 0 ? k : v) + (((int64_t)blk * kBs + pos) * nkv + kvh) * row_bytes;
+      x[i] = __ldcs(reinterpret_cast<const uint4*>(row) + c);
+    }
+  }
+  uint32_t acc = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc ^= x[i].x;
+  if (acc == 0x12345678u) out[0] = 1.0f;
+}
+// One CTA per (block, sequence) reading every kv head's rows: each position's nkv · row_bytes
+// are one contiguous run (what a kernel handling all kv heads of a split would read);
+// 128 · nkv threads, 8 loads each in flight.
+__global__ void read_paged_all_heads(const uint8_t* __restrict__ k, const uint8_t* __restrict__ v,
+                                     const int32_t* __restrict__ tables, int max_blocks, int nkv, int row_bytes,
+                                     float* out) {
+  const int j = blockIdx.x, b = blockIdx.z;
+  const int blk = tables[(int64_t)b * max_blocks + j];
+  const int pos_units = nkv * row_bytes / 16, units = 2 * kBs * pos_units;   // K and V
+  uint4 x[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int u = i * blockDim.x + threadIdx.x;
+    x[i] = make_uint4(0, 0, 0, 0);
+    if (u < units) {
+      const int kv = u / (kBs * pos_units), rest = u % (kBs * pos_units);
+      x[i] = __ldcs(reinterpret_cast<const uint4*>((kv == 0 ? k : v) + (int64_t)blk * kBs * nkv * row_bytes) + rest);
     }
   }
   uint32_t acc = 0;
@@ -253,8 +305,8 @@ int main(int argc, char** argv) {
   uint8_t* evict;
   CK(cudaMalloc(&evict, evict_bytes));
   CK(cudaMemset(evict, 1, evict_bytes));
-  printf("%-26s %8s %6s %9s %9s %8s %8s %8s\n", "config", "KV MB", "copies", "decode_us", "nowarm_us", "read_us",
-         "pread_us", "floor_us");
+  printf("%-26s %8s %6s %9s %9s %8s %8s %8s %8s %8s\n", "config", "KV MB", "copies", "decode_us", "nowarm_us", "read_us",
+         "pread_us", "padj_us", "pall_us", "floor_us");
   for (const Config& cf : configs) {
     const int elem = cf.fp8 ? 1 : 2, row_bytes = kHd * elem;
     const int max_blocks = (cf.len + kBs - 1) / kBs;                             // tables exactly L / bs wide
@@ -362,8 +414,16 @@ int main(int argc, char** argv) {
       read_paged<<<dim3(max_blocks, cf.nkv, cf.b), 128, 0, s>>>(k_pool, v_pool, tables + size_t(r % copies) * blocks,
                                                                 max_blocks, cf.nkv, row_bytes, sink);
     });
-    printf("%-26s %8.2f %6d %9.2f %9.2f %8.2f %8.2f %8.2f\n", name, per / 1e6, copies, decode_us, nowarm_us, read_us,
-           pread_us, per / 4.2e6);
+    const float padj_us = graph_us(s, reps, [&](int r) {
+      read_paged_adjacent<<<dim3(cf.nkv, max_blocks, cf.b), 128, 0, s>>>(
+          k_pool, v_pool, tables + size_t(r % copies) * blocks, max_blocks, cf.nkv, row_bytes, sink);
+    });
+    const float pall_us = graph_us(s, reps, [&](int r) {
+      read_paged_all_heads<<<dim3(max_blocks, 1, cf.b), 128 * cf.nkv, 0, s>>>(
+          k_pool, v_pool, tables + size_t(r % copies) * blocks, max_blocks, cf.nkv, row_bytes, sink);
+    });
+    printf("%-26s %8.2f %6d %9.2f %9.2f %8.2f %8.2f %8.2f %8.2f %8.2f\n", name, per / 1e6, copies, decode_us, nowarm_us,
+           read_us, pread_us, padj_us, pall_us, per / 4.2e6);
     CK(launch_paged_decode(args(0), s));   // fills g_attn_* / g_comb_* for this shape
     CK(cudaStreamSynchronize(s));
     const int ctas = g_attn_grid_x * g_attn_grid_y * g_attn_grid_z, cctas = g_comb_ctas;
