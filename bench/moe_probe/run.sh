@@ -1,19 +1,23 @@
 #!/bin/bash
 # bench/moe_probe/run.sh — on a GPU machine: build the moe_probe driver against variants of the
-# CURRENT csrc/moe_experts.cu (the NVFP4 ring depth at MT = 1 and MT = 4) and print, per
-# variant and T ∈ {1, 8, 32}, graph-replayed µs beside the floor. Torch-free (nvcc only).
-#   variants: base (as committed), and sNM = stages(mt) → mt == 1 ? N : M
+# CURRENT csrc/moe_experts.cu and print, per variant and T ∈ {1, 8, 32}, graph-replayed µs
+# beside the floor. Torch-free (nvcc only).
 set -euo pipefail
 cd "$(dirname "$0")"
 tmp=${TMPDIR:-/tmp}/moe_probe; mkdir -p "$tmp"
-line='  __host__ __device__ static constexpr int stages(int mt) { return mt == 1 ? 5 : 6; }'
-grep -qF "$line" ../../csrc/moe_experts.cu || { echo "anchor not found: $line"; exit 1; }
-variants=(base s46 s66 s86)
-for v in "${variants[@]}"; do
-  if [ "$v" = base ]; then cp ../../csrc/moe_experts.cu "$tmp/$v.cu"; continue; fi
-  n=${v:1:1}; m=${v:2:1}
-  sed "s/return mt == 1 ? 5 : 6; }/return mt == 1 ? $n : $m; }/" ../../csrc/moe_experts.cu > "$tmp/$v.cu"
+# Variants (session 17; the NVFP4 ring depth variants of session 16 changed nothing, see
+# results/session17/moe_probe_call2.log): base (as committed); t1g / t1gd: the one-token path
+# (T = 1) cut after its gate+up launch / after its down launch, so base − t1gd is what the
+# combine launch adds to the chain and t1gd − t1g the down launch (T > 1 rows: unchanged).
+g='  ATLAS_RETURN_IF_ERROR(launch_w4a16_gemv(gate_up, stream));'
+d='  ATLAS_RETURN_IF_ERROR(launch_w4a16_gemv(down, stream));'
+for a in "$g" "$d"; do
+  [ "$(grep -cxF "$a" ../../csrc/moe_experts.cu)" = 1 ] || { echo "anchor not found once: $a"; exit 1; }
 done
+variants=(base t1g t1gd)
+cp ../../csrc/moe_experts.cu "$tmp/base.cu"
+awk -v a="$g" '{ print } $0 == a { print "  return cudaSuccess;  // probe: gate+up only" }' ../../csrc/moe_experts.cu > "$tmp/t1g.cu"
+awk -v a="$d" '{ print } $0 == a { print "  return cudaSuccess;  // probe: no combine" }' ../../csrc/moe_experts.cu > "$tmp/t1gd.cu"
 pids=()
 for v in "${variants[@]}"; do
   rm -f "$tmp/$v"
