@@ -58,10 +58,10 @@ rep("        mma_chunk<1, kTiledBits>(sums.acc, st + lane_w, st + lane_s, xfrag)
 #else
         mma_chunk<1, kTiledBits>(sums.acc, st + lane_w, st + lane_s, xfrag);
 #endif""")
-rep('  asm volatile("griddepcontrol.launch_dependents;\\n" ::: "memory");\n  if (wsplits == 1) {\n'
-    '    store_rows<1>(args, wt, plan, sums, row0, smem);\n    return;\n',
-    '  probe(5);\n  asm volatile("griddepcontrol.launch_dependents;\\n" ::: "memory");\n  if (wsplits == 1) {\n'
-    '    store_rows<1>(args, wt, plan, sums, row0, smem);\n    probe(6);\n    return;\n')
+rep_re(r'  asm volatile\("griddepcontrol.launch_dependents;\\n" ::: "memory"\);\n  if \(wsplits == 1\) \{\n'
+       r'    (store_rows<1>\(args, wt, plan, sums, row0, smem[^;]*\);)\n    return;\n',
+       '  probe(5);\n  asm volatile("griddepcontrol.launch_dependents;\\\\n" ::: "memory");\n  if (wsplits == 1) {\n'
+       '    \\1\n    probe(6);\n    return;\n')
 rep("      store_out(wt, args.out_dtype, 0, n, acc * factor);\n    }\n  }\n}\n",
     "      store_out(wt, args.out_dtype, 0, n, acc * factor);\n    }\n  }\n  probe(6);\n}\n")
 # launcher overrides (applied after every rule, so a sweep sees exactly what it forces)
