@@ -276,7 +276,7 @@ def test_gemv_extreme_scales(global_scale):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("n,k", [(5120, 6144), (512, 2048), (2048, 512), (33, 4112), (248077, 256),
-                                 (1024, 1152), (2048, 2944), (5120, 17408)])
+                                 (1024, 1152), (2048, 2944), (5120, 17408), (14336, 5120)])
 def test_batch_invariance(n, k):
     """Row i of an M-row call is bitwise the 1-row result, for every M in 1..32."""
     q, x = _cuda_case(n, k, 32, key="inv")
