@@ -76,7 +76,8 @@
 //         given such CTAs 8 warps of one tile instead: bench/NOTES.md); v3.10: one tile per
 //         warp again for plain activations over fewer than 2 tiles per SM (kTpwMinTilesPerSm).
 //   M = 2..8 (v3.15): two tiles per warp as well for plain activations on the vector path over
-//         ≥ 2 tiles per SM, unless that leaves one split of fewer than 3 CTAs per SM: the
+//         ≥ 2 tiles per SM, unless that leaves one split of fewer than 3 CTAs per SM or no split
+//         of 2 per SM (launch_w4a16_gemv): the
 //         activation bytes each CTA re-reads from L2 (K_cta × M × 2 per 64 rows) were ≈ 45% of
 //         the weight bytes at M = 8 (bench/NOTES.md, session 17).
 //   tails: rows ≥ n (the one-row kernel: they read row n − 1 instead) and (generic path) k ≥ K
