@@ -77,9 +77,9 @@
 //         warp again for plain activations over fewer than 2 tiles per SM (kTpwMinTilesPerSm).
 //   M = 2..8 (v3.15): two tiles per warp as well for plain activations on the vector path over
 //         ≥ 2 tiles per SM, unless that leaves one split of fewer than 3 CTAs per SM or no split
-//         of 2 per SM (launch_w4a16_gemv): the
-//         activation bytes each CTA re-reads from L2 (K_cta × M × 2 per 64 rows) were ≈ 45% of
-//         the weight bytes at M = 8 (bench/NOTES.md, session 17).
+//         of 2 per SM (launch_w4a16_gemv): the activation bytes each CTA re-reads from L2
+//         (K_cta × M × 2 per 64 rows) were ≈ 45% of the weight bytes at M = 8 (bench/NOTES.md,
+//         session 17).
 //   tails: rows ≥ n (the one-row kernel: they read row n − 1 instead) and (generic path) k ≥ K
 //         are zero-filled by cp.async; K % 128 == 0 with
 //         16-byte-aligned rows takes the vector path, any K % 16 == 0 the generic one.
