@@ -15,10 +15,10 @@
 // number of tokens that picked it, and its pairs are the n8 columns of the mma (swap-AB, as
 // w4a16_gemv: weight rows are the 16-row A operand, activation rows the B operand).
 //
-// One token (T = 1, NVFP4, h and I multiples of 128): three launches through w4a16_gemv's
-// one-row kernel, expert-indexed (launch_one_token: gate+up dual, silu down, combine) — the
-// grouped kernels below are latency-bound there, and their sums follow the one-row kernel's
-// K segment order, so the two paths give the same bits. Otherwise
+// Few pairs (T·k ≤ 144, NVFP4, h and I multiples of 128; indexed_path): three launches through
+// w4a16_gemv's one-row kernel, expert-indexed, one slot per pair (launch_indexed: gate+up dual,
+// silu down, combine) — the grouped kernels below are latency- or issue-bound there, and their
+// sums follow the one-row kernel's K segment order, so the two paths give the same bits. Otherwise
 // four launches (three at T·k ≤ 32), all with programmatic dependent launch (common/pdl.cuh):
 //   1. group (1 CTA, 256 threads): counting sort of the valid pairs by expert into RECORDS: an
 //      expert with c pairs gets ceil(c / C) consecutive records (C = 8·MT columns), record r =
@@ -123,8 +123,10 @@
 //   v4: persistent CTAs over (record, row tile) jobs, one chunk stream across jobs; records of
 //       ≤ 8·MT pairs from the grouping kernel; MT = 1 up to T = 64. Same bits as v3. H200:
 //       23.8 µs at B = 1, 168.9 at B = 32.
-//   v5 (this): sums in w4a16_gemv's K segment order (gate_up's two K groups dropped: 4-warp
+//   v5: sums in w4a16_gemv's K segment order (gate_up's two K groups dropped: 4-warp
 //       CTAs); one token through the expert-indexed one-row GEMV (3 launches).
+//   v6 (this): the indexed path for every T·k ≤ 144 (one slot per pair, x row p / k), not
+//       just T = 1: T = 4 / 8 / 16 −21 / −21 / −7% (moe_probe, see indexed_path).
 //
 // Floor: bytes = (experts hit) · (2·I·h + h·I) · B_w (B_w = 9/16 NVFP4, 2 BF16) + x, act, d, out.
 //   35B-A3B (h 2048, I 512, top-8 of 256 + the shared expert as slot 8), NVFP4: B = 1: 9 experts
@@ -160,11 +162,13 @@ struct Workspace {
   size_t pairs;         // int32 [R_max, C] pair ids of record r (columns ≥ rows never written)
   size_t act;           // bf16 [T·k, I]   silu(g)·u per pair, units in mma K order (invalid pairs' rows unwritten)
   size_t d;             // bf16 [T·k, h]   down output per pair (idem)
-  size_t up;            // T = 1 only: bf16 [k, I] up · x per slot (act holds gate · x), else 0 bytes
+  size_t up;            // indexed_path only: bf16 [T·k, I] up · x per pair (act holds gate · x), else 0 bytes
   size_t bytes;
   int mt;               // n8 tiles per record, C = 8·mt columns
   int max_records;      // R_max = min(T·k, E) + T·k / C + 1 ≥ Σ_e ceil(c_e / C)
 };
+
+bool indexed_path(int64_t num_tokens, int top_k, int hidden, int inter);   // the one-row GEMV path (below)
 
 Workspace workspace_layout(int64_t num_tokens, int top_k, int num_experts, int hidden, int inter) {
   auto align = [](size_t v) { return (v + 255) / 256 * 256; };
@@ -179,7 +183,8 @@ Workspace workspace_layout(int64_t num_tokens, int top_k, int num_experts, int h
   w.pairs = off;        off = align(off + static_cast<size_t>(w.max_records) * cols * sizeof(int32_t));
   w.act = off;          off = align(off + static_cast<size_t>(pairs) * inter * sizeof(__nv_bfloat16));
   w.d = off;            off = align(off + static_cast<size_t>(pairs) * hidden * sizeof(__nv_bfloat16));
-  w.up = off;           off = align(off + (num_tokens == 1 ? static_cast<size_t>(pairs) * inter * sizeof(__nv_bfloat16) : 0));
+  const bool indexed = indexed_path(num_tokens, top_k, hidden, inter);
+  w.up = off;           off = align(off + (indexed ? static_cast<size_t>(pairs) * inter * sizeof(__nv_bfloat16) : 0));
   w.bytes = off;
   return w;
 }
@@ -942,22 +947,33 @@ cudaError_t launch_combine(const MoeExpertsArgs& a, const __nv_bfloat16* d, cuda
                     a.shared_gate_stride, a.out_bf16, a.out, a.top_k, a.num_experts, a.hidden);
 }
 
-// T = 1, NVFP4, h and I multiples of 128: the k slots through w4a16_gemv's one-row kernel, expert-
-// indexed (W4A16GemvSlots: slot j runs expert ids[j], read on the device) — gate and up as one
-// dual launch (g → act, u → up), down as its silu variant over (g_j, u_j) → d — then the combine.
-// Three launches with no grouping; the grouped kernels' jobs are latency-bound at one token
-// (9 experts of 35B-A3B: 23.8 µs vs the 7 µs a 576-tile one-row GEMV takes, bench/NOTES.md).
-// Same bits as the grouped path: the grouped GEMVs sum in the one-row kernel's segment order and
-// store g, u, act and d with the same roundings (tested: one token alone == inside a batch).
-bool one_token_path(const MoeExpertsArgs& a) {
-  return a.num_tokens == 1 && a.nvfp4 && a.hidden % kChunkK == 0 && a.inter % kChunkK == 0;
+// Few pairs (T·k ≤ kIndexedMaxPairs: decode and MTP batches), NVFP4, h and I multiples of 128:
+// every pair p = t·k + j through w4a16_gemv's one-row kernel, expert-indexed (W4A16GemvSlots:
+// slot p runs expert ids[p], read on the device, over x row t = p / k) — gate and up as one dual
+// launch (g → act, u → up), down as its silu variant over (g_p, u_p) → d — then the combine.
+// Three launches with no grouping. An expert hit by several pairs is streamed once per pair,
+// but its later reads hit L2, and the one-row kernel's per-warp pipelines stream an 18k-tile
+// launch (T = 32) near the copy bandwidth, where the grouped kernels' CTA-wide steps and
+// per-weight dequant for 1–2 columns were issue-bound (bench/NOTES.md); at one token the grouped
+// jobs were latency-bound (9 experts of 35B-A3B: 23.8 µs vs the 7 µs a 576-tile one-row GEMV
+// takes). Same bits as the grouped path: the grouped GEMVs sum in the one-row kernel's segment
+// order and store g, u, act and d with the same roundings (tested: one token alone == inside a
+// batch of 80). The bound also keeps the grid's row groups (≤ ceil(max(2I, h) / 16) per slot)
+// within 65535. Where it stops paying (bench/moe_probe, 35B-A3B MTP head, H200, session 18: µs
+// grouped → indexed): T = 4 50.7 → 40.0, T = 8 76.9 → 60.8, T = 16 114.2 → 106.1, T = 32 167.9 →
+// 195.8 (its 288 pair streams re-read the L2-resident experts more than the grouped jobs cost).
+constexpr int64_t kIndexedMaxPairs = 144;   // T = 16 at k = 9
+bool indexed_path(int64_t num_tokens, int top_k, int hidden, int inter) {
+  const int64_t pairs = num_tokens * top_k;
+  return pairs <= kIndexedMaxPairs && hidden % kChunkK == 0 && inter % kChunkK == 0 &&
+         pairs * ceil_div(std::max(2 * inter, hidden), 16) <= 65535;
 }
 
-cudaError_t launch_one_token(const MoeExpertsArgs& a, const Workspace& ws, cudaStream_t stream) {
+cudaError_t launch_indexed(const MoeExpertsArgs& a, const Workspace& ws, cudaStream_t stream) {
   uint8_t* base = static_cast<uint8_t*>(a.workspace);
-  auto* g = reinterpret_cast<__nv_bfloat16*>(base + ws.act);   // [k, I]
-  auto* u = reinterpret_cast<__nv_bfloat16*>(base + ws.up);    // [k, I]
-  auto* d = reinterpret_cast<__nv_bfloat16*>(base + ws.d);     // [k, h]
+  auto* g = reinterpret_cast<__nv_bfloat16*>(base + ws.act);   // [T·k, I]
+  auto* u = reinterpret_cast<__nv_bfloat16*>(base + ws.up);    // [T·k, I]
+  auto* d = reinterpret_cast<__nv_bfloat16*>(base + ws.d);     // [T·k, h]
   const int64_t h = a.hidden, inter = a.inter;
   auto weight = [](const ExpertStack& s, void* out, int n) {
     W4A16GemvWeight w;
@@ -976,7 +992,9 @@ cudaError_t launch_one_token(const MoeExpertsArgs& a, const Workspace& ws, cudaS
   gate_up.w[0] = weight(a.gate, g, a.inter);
   gate_up.w[1] = weight(a.up, u, a.inter);
   gate_up.slots.ids = a.ids;
-  gate_up.slots.count = a.top_k;
+  gate_up.slots.count = static_cast<int>(a.num_tokens * a.top_k);
+  gate_up.slots.x_stride = a.num_tokens > 1 ? h : 0;   // pair p reads token p / k
+  gate_up.slots.x_div = a.top_k;
   gate_up.slots.num_experts = a.num_experts;
   gate_up.slots.packed_stride[0] = gate_up.slots.packed_stride[1] = inter * h / 2;
   gate_up.slots.scale_stride[0] = gate_up.slots.scale_stride[1] = inter * h / 16;
@@ -993,6 +1011,7 @@ cudaError_t launch_one_token(const MoeExpertsArgs& a, const Workspace& ws, cudaS
   down.slots.packed_stride[0] = h * inter / 2;
   down.slots.scale_stride[0] = h * inter / 16;
   down.slots.x_stride = inter;
+  down.slots.x_div = 1;
   down.slots.out_stride = h;
   down.slots.ids_ready = true;   // gate_up's CTAs trigger only after waiting for the ids' producer
   ATLAS_RETURN_IF_ERROR(launch_w4a16_gemv(down, stream));
@@ -1056,7 +1075,7 @@ cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
     }
   }
   const Workspace ws = workspace_layout(a.num_tokens, a.top_k, a.num_experts, a.hidden, a.inter);
-  if (one_token_path(a)) return launch_one_token(a, ws, stream);
+  if (a.nvfp4 && indexed_path(a.num_tokens, a.top_k, a.hidden, a.inter)) return launch_indexed(a, ws, stream);
   uint8_t* base = static_cast<uint8_t*>(a.workspace);
   const Records rec{reinterpret_cast<int32_t*>(base + ws.num_records),
                     reinterpret_cast<int2*>(base + ws.info),

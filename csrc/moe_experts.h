@@ -47,7 +47,8 @@ struct MoeExpertsArgs {
 size_t moe_experts_workspace_bytes(int64_t num_tokens, int top_k, int num_experts, int hidden, int inter);
 
 // Four launches on `stream` (group pairs by expert — skipped at T·k ≤ 32 —, gate+up+silu, down,
-// combine); never syncs.
+// combine; NVFP4 with T·k ≤ 144: three expert-indexed GEMV launches, one slot per pair, no
+// grouping); never syncs.
 // cudaErrorInvalidValue outside the ranges above, or when x, out or a weight stack is not 16-byte
 // aligned (block scales: 8-byte; workspace: 256-byte).
 cudaError_t launch_moe_experts(const MoeExpertsArgs& args, cudaStream_t stream);

@@ -726,8 +726,9 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     slot_w.out = static_cast<uint8_t*>(slot_w.out) +
                  slot * args.slots.out_stride * (args.out_dtype == DType::kF32 ? 4 : 2);
     wp = &slot_w;
-    x_row += slot * args.slots.x_stride;
-    if constexpr (kRaw) x2_row += slot * args.slots.x_stride;
+    const int64_t x_off = static_cast<int64_t>(slot / args.slots.x_div) * args.slots.x_stride;
+    x_row += x_off;
+    if constexpr (kRaw) x2_row += x_off;
   }
   const W4A16GemvWeight& wt = *wp;
   const int K = args.k, n_rows = wt.n;
@@ -1098,7 +1099,7 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   }
   const bool indexed = a.slots.ids != nullptr;
   if (indexed) {   // the one-row kernel only (checked again once the plan is made)
-    if (a.m != 1 || a.slots.count < 1 || a.slots.num_experts < 1 || a.slots.x_stride < 0 ||
+    if (a.m != 1 || a.slots.count < 1 || a.slots.num_experts < 1 || a.slots.x_stride < 0 || a.slots.x_div < 1 ||
         a.slots.out_stride < 0 || a.slots.x_stride % 8 != 0) {
       return cudaErrorInvalidValue;
     }

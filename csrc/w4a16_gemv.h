@@ -47,7 +47,7 @@ enum class GemvAct : int {
 // experts [E, n, K] (checkpoint layout, expert e at packed + e·packed_stride, block_scale +
 // e·scale_stride, global_scale + e) and the launch runs `count` one-row GEMVs, slot j with expert
 // ids[j] (read on the device, after griddepcontrol.wait unless ids_ready: no host sync), its x
-// (and x2) row at x + j·x_stride, its outputs at w[i].out + j·out_stride. A slot whose id is outside
+// (and x2) row at x + (j / x_div)·x_stride, its outputs at w[i].out + j·out_stride. A slot whose id is outside
 // [0, num_experts) is skipped: its outputs are left unwritten. M = 1 on the vector path only (the
 // one-row kernel, w4a16_gemv_m1_kernel); each slot's rows are bitwise an ordinary launch's.
 struct W4A16GemvSlots {
@@ -57,6 +57,8 @@ struct W4A16GemvSlots {
   int64_t packed_stride[2] = {};  // bytes between experts of w[i].packed (n·K/2)
   int64_t scale_stride[2] = {};   // bytes between experts of w[i].block_scale (n·K/16)
   int64_t x_stride = 0;           // elements between the slots' x (and x2) rows; 0: one shared x
+  int x_div = 1;                  // slot j reads x row j / x_div (≥ 1; moe_experts' gate+up over
+                                  // T·k pair slots: k, so pair t·k + j reads token t)
   int64_t out_stride = 0;         // elements between the slots' output rows
   bool ids_ready = false;         // the ids were complete before this grid could launch (the
                                   // previous kernel triggers its dependents only after waiting for

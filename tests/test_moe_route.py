@@ -284,6 +284,24 @@ def test_moe_experts_kernel_token_alone_equals_token_in_80_token_batch(fmt):
 
 
 @pytest.mark.cuda
+def test_moe_experts_kernel_indexed_batch_equals_grouped_batch():
+    """NVFP4 with T·k ≤ 144 runs one expert-indexed GEMV slot per pair (pair p reads token p / k);
+    one token more takes the grouped kernels. The shared rows are bitwise the same."""
+    g = _gen("experts-indexed-vs-grouped")
+    e, inter, h, k = 24, 512, 2048, 9
+    (gate, up, down), _ = _stacks(g, e, inter, h, "nvfp4")
+    gate, up, down = _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda")
+    x = torch.randn(17, h, generator=g).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(17)]).int()
+    ids[3, 4], ids[9, 0] = -1, e                                               # skipped pairs
+    ids = ids.cuda()
+    w = torch.rand(17, k, generator=g).cuda()
+    grouped = ops.moe_experts(x, ids, w, gate, up, down, out_dtype=torch.bfloat16)           # 153 pairs
+    indexed = ops.moe_experts(x[:16], ids[:16], w[:16], gate, up, down, out_dtype=torch.bfloat16)   # 144
+    assert torch.equal(indexed, grouped[:16])
+
+
+@pytest.mark.cuda
 def test_moe_experts_kernel_rejects_misaligned_x():
     g = _gen("experts-misaligned")
     (gate, up, down), _ = _stacks(g, 4, 32, 64, "bf16")

@@ -6,9 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")"
 tmp=${TMPDIR:-/tmp}/moe_probe; mkdir -p "$tmp"
 # Variants (session 17; the NVFP4 ring depth variants of session 16 changed nothing, see
-# results/session17/moe_probe_call2.log): base (as committed); t1g / t1gd: the one-token path
-# (T = 1) cut after its gate+up launch / after its down launch, so base − t1gd is what the
-# combine launch adds to the chain and t1gd − t1g the down launch (T > 1 rows: unchanged).
+# results/session17/moe_probe_call2.log): base (as committed); t1g / t1gd: the indexed path
+# (T·k ≤ 144 since v6; T = 1 before) cut after its gate+up launch / after its down launch, so
+# base − t1gd is what the combine launch adds to the chain and t1gd − t1g the down launch
+# (grouped-path rows: unchanged).
 g='  ATLAS_RETURN_IF_ERROR(launch_w4a16_gemv(gate_up, stream));'
 d='  ATLAS_RETURN_IF_ERROR(launch_w4a16_gemv(down, stream));'
 for a in "$g" "$d"; do
