@@ -17,8 +17,9 @@ weights f32 [T, k], and the experts run over those index tensors (see `ExpertBan
 whole block is CUDA-graph capturable. On CUDA with BF16 or NVFP4 experts the block is six
 launches: the [router | shared gate] GEMV, moe_route (which also emits the shared expert — stored
 as expert E — as slot k of every row, weight sigmoid(gate)), and moe_experts' kernels (group
-the pairs by expert, gate+up, down, combine; one NVFP4 token: the expert-indexed one-row GEMV
-for gate+up and down, then the combine — the same bits).
+the pairs by expert, gate+up, down, combine; NVFP4 with T·k ≤ 144, e.g. decode batches up to 16
+at k = 9: no grouping, the expert-indexed one-row GEMV per (token, expert) pair for gate+up and
+down, then the combine — the same bits).
 Precision: expert and shared-expert outputs are BF16 (as
 each projection's output is), their weighted sum is accumulated in float32 and rounded to BF16
 once; the router logits are BF16 (the projection's output, as in HF) and are softmaxed in fp32.
