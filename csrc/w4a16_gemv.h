@@ -47,9 +47,10 @@ enum class GemvAct : int {
 // experts [E, n, K] (checkpoint layout, expert e at packed + e·packed_stride, block_scale +
 // e·scale_stride, global_scale + e) and the launch runs `count` one-row GEMVs, slot j with expert
 // ids[j] (read on the device, after griddepcontrol.wait unless ids_ready: no host sync), its x
-// (and x2) row at x + (j / x_div)·x_stride, its outputs at w[i].out + j·out_stride. A slot whose id is outside
-// [0, num_experts) is skipped: its outputs are left unwritten. M = 1 on the vector path only (the
-// one-row kernel, w4a16_gemv_m1_kernel); each slot's rows are bitwise an ordinary launch's.
+// (and x2) row at x + (j / x_div)·x_stride, its outputs at w[i].out + j·out_stride. A slot whose
+// id is outside [0, num_experts) is skipped: its outputs are left unwritten. M = 1 on the vector
+// path only (the one-row kernel, w4a16_gemv_m1_kernel); each slot's rows are bitwise an ordinary
+// launch's.
 struct W4A16GemvSlots {
   const int32_t* ids = nullptr;   // [count] int32 on the device; nullptr: an ordinary launch
   int count = 0;                  // slots, ≥ 1
