@@ -16,6 +16,10 @@
 //   padj_us    the same rows, the kv heads' CTAs of one block adjacent in launch order
 //   pall_us    one CTA per block reading all kv heads' rows (contiguous nkv · 512 B per position):
 //              what a kernel that handled every kv head of a split would read (session 17)
+//   ppf_us     pread's CTAs, each also bulk-prefetching the other kv heads' rows of its positions
+//              into L2 (DRAM then sees each position's nkv rows together; session 18)
+//   p2b_us     one kv head's rows of two blocks per 256-thread CTA: pall's CTA count and size on
+//              the strided layout (session 18)
 //   floor_us   (KV + FP8 scale) bytes / 4.2 TB/s
 // then the launch the shape gets (attention grid; instance: m_tiles, QREG, splits per CTA, v7
 // warm-up, stages, registers, smem, CTAs the device holds at once; combine kind, CTAs, threads,
@@ -116,6 +120,65 @@ __global__ void read_paged(const uint8_t* __restrict__ k, const uint8_t* __restr
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int u = i * 128 + threadIdx.x;
+    x[i] = make_uint4(0, 0, 0, 0);
+    if (u < units) {
+      const int kv = u / (kBs * units_per_row), pos = (u / units_per_row) % kBs, c = u % units_per_row;
+      const uint8_t* row = (kv == 0 ? k : v) + (((int64_t)blk * kBs + pos) * nkv + kvh) * row_bytes;
+      x[i] = __ldcs(reinterpret_cast<const uint4*>(row) + c);
+    }
+  }
+  uint32_t acc = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc ^= x[i].x;
+  if (acc == 0x12345678u) out[0] = 1.0f;
+}
+
+// read_paged's CTA (block j, kv head, sequence) that also bulk-prefetches into L2 the other kv
+// heads' rows of its 16 positions (threads < 32: K / V × position), issued beside its own loads,
+// so each position's nkv · row_bytes reach DRAM together while every CTA still copies only its
+// own head (session 18: is pall's gain the DRAM access order, kept by this, or its CTA shape?).
+__global__ void read_paged_pf(const uint8_t* __restrict__ k, const uint8_t* __restrict__ v,
+                              const int32_t* __restrict__ tables, int max_blocks, int nkv, int row_bytes,
+                              float* out) {
+  const int j = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int blk = tables[(int64_t)b * max_blocks + j];
+  if (threadIdx.x < 2 * kBs) {
+    const int kv = threadIdx.x / kBs, pos = threadIdx.x % kBs;
+    const uint8_t* pos_row = (kv == 0 ? k : v) + ((int64_t)blk * kBs + pos) * nkv * row_bytes;
+    for (int oh = 0; oh < nkv; ++oh)
+      if (oh != kvh) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pos_row + oh * row_bytes),
+                                  "r"(row_bytes) : "memory");
+  }
+  const int units_per_row = row_bytes / 16, units = 2 * kBs * units_per_row;   // K and V
+  uint4 x[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int u = i * 128 + threadIdx.x;
+    x[i] = make_uint4(0, 0, 0, 0);
+    if (u < units) {
+      const int kv = u / (kBs * units_per_row), pos = (u / units_per_row) % kBs, c = u % units_per_row;
+      const uint8_t* row = (kv == 0 ? k : v) + (((int64_t)blk * kBs + pos) * nkv + kvh) * row_bytes;
+      x[i] = __ldcs(reinterpret_cast<const uint4*>(row) + c);
+    }
+  }
+  uint32_t acc = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc ^= x[i].x;
+  if (acc == 0x12345678u) out[0] = 1.0f;
+}
+// One kv head's rows of TWO consecutive blocks per CTA (256 threads, the strided layout): pall's
+// CTA count and size without its contiguous rows (session 18).
+__global__ void read_paged_two_blocks(const uint8_t* __restrict__ k, const uint8_t* __restrict__ v,
+                                      const int32_t* __restrict__ tables, int max_blocks, int nkv, int row_bytes,
+                                      float* out) {
+  const int j = 2 * blockIdx.x + threadIdx.x / 128, kvh = blockIdx.y, b = blockIdx.z, t = threadIdx.x % 128;
+  if (j >= max_blocks) return;
+  const int blk = tables[(int64_t)b * max_blocks + j];
+  const int units_per_row = row_bytes / 16, units = 2 * kBs * units_per_row;
+  uint4 x[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int u = i * 128 + t;
     x[i] = make_uint4(0, 0, 0, 0);
     if (u < units) {
       const int kv = u / (kBs * units_per_row), pos = (u / units_per_row) % kBs, c = u % units_per_row;
@@ -283,8 +346,8 @@ int main(int argc, char** argv) {
   uint8_t* evict;
   CK(cudaMalloc(&evict, evict_bytes));
   CK(cudaMemset(evict, 1, evict_bytes));
-  printf("%-26s %8s %6s %9s %9s %8s %8s %8s %8s %8s\n", "config", "KV MB", "copies", "decode_us", "nowarm_us", "read_us",
-         "pread_us", "padj_us", "pall_us", "floor_us");
+  printf("%-26s %8s %6s %9s %9s %8s %8s %8s %8s %8s %8s %8s\n", "config", "KV MB", "copies", "decode_us", "nowarm_us",
+         "read_us", "pread_us", "padj_us", "pall_us", "ppf_us", "p2b_us", "floor_us");
   for (const Config& cf : configs) {
     const int elem = cf.fp8 ? 1 : 2, row_bytes = kHd * elem;
     const int max_blocks = (cf.len + kBs - 1) / kBs;                             // tables exactly L / bs wide
@@ -400,8 +463,16 @@ int main(int argc, char** argv) {
       read_paged_all_heads<<<dim3(max_blocks, 1, cf.b), 128 * cf.nkv, 0, s>>>(
           k_pool, v_pool, tables + size_t(r % copies) * blocks, max_blocks, cf.nkv, row_bytes, sink);
     });
-    printf("%-26s %8.2f %6d %9.2f %9.2f %8.2f %8.2f %8.2f %8.2f %8.2f\n", name, per / 1e6, copies, decode_us, nowarm_us,
-           read_us, pread_us, padj_us, pall_us, per / 4.2e6);
+    const float ppf_us = graph_us(s, reps, [&](int r) {
+      read_paged_pf<<<dim3(max_blocks, cf.nkv, cf.b), 128, 0, s>>>(k_pool, v_pool, tables + size_t(r % copies) * blocks,
+                                                                   max_blocks, cf.nkv, row_bytes, sink);
+    });
+    const float p2b_us = graph_us(s, reps, [&](int r) {
+      read_paged_two_blocks<<<dim3((max_blocks + 1) / 2, cf.nkv, cf.b), 256, 0, s>>>(
+          k_pool, v_pool, tables + size_t(r % copies) * blocks, max_blocks, cf.nkv, row_bytes, sink);
+    });
+    printf("%-26s %8.2f %6d %9.2f %9.2f %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f\n", name, per / 1e6, copies,
+           decode_us, nowarm_us, read_us, pread_us, padj_us, pall_us, ppf_us, p2b_us, per / 4.2e6);
     CK(launch_paged_decode(args(0), s));   // fills g_attn_* / g_comb_* for this shape
     CK(cudaStreamSynchronize(s));
     const int ctas = g_attn_grid_x * g_attn_grid_y * g_attn_grid_z, cctas = g_comb_ctas;
