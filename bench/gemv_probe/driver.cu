@@ -12,11 +12,18 @@
 //   loop (main loop), store (split-K reduction + stores).
 // `sweep`: the same timing for every (splits, warps) the launcher could pick, and (M = 1) for
 // K split over the warps of one CTA (ws S: S warps per tile).
+//
+//   driver moe [T]            (session 18) moe_experts' expert-indexed launches at T tokens
+//                             (Qwen3.6-35B-A3B: h 2048, I 512, k = 9 slots per token, the shared
+//                             expert as expert 256 in slot 8; checkpoint-layout NVFP4 stacks
+//                             rotated over 4 copies): gate+up (dual, T·9 slots) and the silu down
+//                             each timed alone, graph-replayed, with one probed cold call each.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -73,7 +80,101 @@ void report(const std::vector<unsigned long long>& h, int ctas) {
   printf("\n");
 }
 
+// `moe T`: see the header. Returns the process exit code.
+int moe_main(int T) {
+  constexpr int h = 2048, inter = 512, k = 9, routed = 256, E = routed + 1, kCopies = 4;
+  const int slots = T * k;
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const size_t gu_packed = size_t(E) * inter * h / 2, gu_scales = size_t(E) * inter * h / 16;   // one of gate / up
+  const size_t dn_packed = size_t(E) * h * inter / 2, dn_scales = size_t(E) * h * inter / 16;
+  const size_t per = 2 * (gu_packed + gu_scales) + dn_packed + dn_scales;   // one copy of the three stacks
+  uint8_t* w;
+  CK(cudaMalloc(&w, per * kCopies));
+  fill_bytes<<<4096, 256, 0, s>>>(w, per * kCopies, 17);
+  float* gs;
+  CK(cudaMalloc(&gs, E * 4));
+  std::vector<float> ones(E, 1.0f);
+  CK(cudaMemcpy(gs, ones.data(), E * 4, cudaMemcpyHostToDevice));
+  struct Stack { const uint8_t* packed; const uint8_t* scale; };
+  auto stack = [&](int c, int i) {   // copy c, stack i: 0 gate, 1 up, 2 down
+    uint8_t* base = w + size_t(c) * per + size_t(i < 2 ? i : 2) * (gu_packed + gu_scales);
+    const size_t packed = i < 2 ? gu_packed : dn_packed, scales = i < 2 ? gu_scales : dn_scales;
+    fill_scales<<<256, 256, 0, s>>>(base + packed, scales);
+    return Stack{base, base + packed};
+  };
+  std::vector<Stack> st;
+  for (int c = 0; c < kCopies; ++c) for (int i = 0; i < 3; ++i) st.push_back(stack(c, i));
+  std::vector<int32_t> ids(slots);
+  std::mt19937 rng(11);
+  for (int t = 0; t < T; ++t) {
+    std::vector<int> perm(routed);
+    for (int i = 0; i < routed; ++i) perm[i] = i;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int j = 0; j < k - 1; ++j) ids[t * k + j] = perm[j];
+    ids[t * k + k - 1] = routed;   // the shared expert
+  }
+  int32_t* d_ids;
+  uint8_t *x, *g, *u, *d;
+  CK(cudaMalloc(&d_ids, slots * 4));
+  CK(cudaMemcpy(d_ids, ids.data(), slots * 4, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&x, size_t(T) * h * 2));
+  CK(cudaMalloc(&g, size_t(slots) * inter * 2));
+  CK(cudaMalloc(&u, size_t(slots) * inter * 2));
+  CK(cudaMalloc(&d, size_t(slots) * h * 2));
+  fill_bytes<<<64, 256, 0, s>>>(x, size_t(T) * h * 2, 5);   // random bf16 bits: timing only
+  auto weight = [&](const Stack& sk, void* out, int n) {
+    W4A16GemvWeight wt;
+    wt.packed = sk.packed; wt.block_scale = sk.scale; wt.global_scale = gs; wt.out = out; wt.n = n;
+    return wt;
+  };
+  auto gate_up = [&](int c) {
+    W4A16GemvArgs a;
+    a.x = x; a.m = 1; a.k = h; a.num_weights = 2;
+    a.w[0] = weight(st[c * 3], g, inter);
+    a.w[1] = weight(st[c * 3 + 1], u, inter);
+    a.slots.ids = d_ids; a.slots.count = slots; a.slots.num_experts = E;
+    a.slots.packed_stride[0] = a.slots.packed_stride[1] = int64_t(inter) * h / 2;
+    a.slots.scale_stride[0] = a.slots.scale_stride[1] = int64_t(inter) * h / 16;
+    a.slots.x_stride = T > 1 ? h : 0; a.slots.x_div = k; a.slots.out_stride = inter;
+    return a;
+  };
+  auto down = [&](int c) {
+    W4A16GemvArgs a;
+    a.x = g; a.x2 = u; a.act = GemvAct::kSiluMul; a.m = 1; a.k = inter; a.num_weights = 1;
+    a.w[0] = weight(st[c * 3 + 2], d, h);
+    a.slots.ids = d_ids; a.slots.count = slots; a.slots.num_experts = E;
+    a.slots.packed_stride[0] = int64_t(h) * inter / 2; a.slots.scale_stride[0] = int64_t(h) * inter / 16;
+    a.slots.x_stride = inter; a.slots.out_stride = h; a.slots.ids_ready = true;
+    return a;
+  };
+  const int max_ctas = 70000;
+  unsigned long long* probe_buf;
+  CK(cudaMalloc(&probe_buf, size_t(max_ctas) * 16 * 8));
+  printf("moe T = %d (%d slots)\n%-16s %8s %6s   (the launch's plan)\n", T, slots, "launch", "us", "ctas");
+  for (int which = 0; which < 2; ++which) {
+    auto args = [&](int c) { return which == 0 ? gate_up(c) : down(c); };
+    for (int c = 0; c < kCopies; ++c) CK(launch_w4a16_gemv(args(c), s));   // instantiation, smem opt-in
+    CK(cudaStreamSynchronize(s));
+    const float us = graph_us(s, 40, [&](int r) { CK(launch_w4a16_gemv(args(r % kCopies), s)); });
+    CK(cudaMemset(probe_buf, 0, size_t(max_ctas) * 16 * 8));
+    set_probe(probe_buf);
+    CK(launch_w4a16_gemv(args(1), s));
+    CK(cudaStreamSynchronize(s));
+    set_probe(nullptr);
+    std::vector<unsigned long long> hbuf(size_t(max_ctas) * 16);
+    CK(cudaMemcpy(hbuf.data(), probe_buf, hbuf.size() * 8, cudaMemcpyDeviceToHost));
+    int ctas = 0;
+    while (ctas < max_ctas && hbuf[ctas * 16] != 0) ++ctas;   // skipped slots' CTAs: none here (every id valid)
+    printf("%-16s %8.2f %6d   (splits %d [< 0: over warps], warps %d)\n", which == 0 ? "gate+up" : "down (silu)", us,
+           ctas, g_last_splits, g_last_warps);
+    if (ctas > 0) report(hbuf, ctas);
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "moe") return moe_main(argc > 2 ? atoi(argv[2]) : 1);
   const bool sweep = argc > 1 && std::string(argv[1]) == "sweep";
   const int M = argc > 2 ? atoi(argv[2]) : 1;
   int sms;
