@@ -283,7 +283,8 @@ int test_moe_experts(std::mt19937& rng) {
                     C{2, 4, 6, 96, 32, true, false}, C{5, 3, 9, 256, 64, true, false, true},
                     C{2, 20, 24, 256, 64, true, true},
                     C{3, 6, 4, 96, 32, true, true}, C{3, 6, 4, 96, 32, false, false},   // k > E: repeated ids
-                    C{40, 4, 4, 384, 160, true, false}, C{40, 4, 4, 128, 64, false, true}}) {   // 40-pair groups: 2 passes
+                    C{40, 4, 4, 384, 160, true, false}, C{40, 4, 4, 128, 64, false, true},   // 40-pair groups: 2 passes
+                    C{16, 9, 12, 256, 128, true, false}, C{17, 9, 12, 256, 128, true, true}}) {   // T·k 144: indexed, 153: grouped
     const Stack g = make_stack(rng, c.e, c.inter, c.h, c.nvfp4), u = make_stack(rng, c.e, c.inter, c.h, c.nvfp4),
                 d = make_stack(rng, c.e, c.h, c.inter, c.nvfp4);
     std::normal_distribution<float> normal;
