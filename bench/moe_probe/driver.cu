@@ -3,7 +3,7 @@
 // of csrc/moe_experts.cu).
 //
 //   driver            Qwen3.6-35B-A3B experts: h 2048, I 512, NVFP4, 256 routed experts + the
-//                     shared expert as expert 256 in slot 8 (k = 9), T ∈ {1, 4, 8, 16, 32} tokens
+//                     shared expert as expert 256 in slot 8 (k = 9), T ∈ {1, 4, 8, 16, 24, 32} tokens
 //
 // Per T: graph-replayed µs per call (20 calls per graph, expert weights rotating over kCopies
 // copies of 455 MB, so no call finds its experts in L2 — at T = 1 a call reads 16 MB, so the
@@ -61,7 +61,7 @@ int main() {
   }
   std::mt19937 rng(7);
   printf("%-4s %8s %8s %8s %9s\n", "T", "us", "experts", "floor_us", "x_floor");
-  for (const int T : {1, 4, 8, 16, 32}) {
+  for (const int T : {1, 4, 8, 16, 24, 32}) {
     std::vector<int32_t> ids(size_t(T) * k);
     std::set<int> hit;
     for (int t = 0; t < T; ++t) {
