@@ -105,21 +105,16 @@ __global__ void fill_scale(float* p, size_t n, uint32_t seed) {
 __global__ void read_kv(const uint4* __restrict__ k, const uint4* __restrict__ v, size_t n16, float* out) {
   if (read_units(blockIdx.y == 0 ? k : v, n16) == 0x12345678u) out[0] = 1.0f;
 }
-// The rows one call reads, through its block table: CTA (block j, kv head, sequence) reads
-// the kBs positions' K and V rows of that kv head (row_bytes each; K and V pools
-// [num_blocks, kBs, nkv, row_bytes]); tables: [B, max_blocks]. All of a thread's loads in
-// flight at once (row_bytes ≤ 512: ≤ 8 per thread with 128 threads). Grid (blocks, nkv, B), or
-// with heads_first (nkv, blocks, B): the kv heads' CTAs of one block adjacent in launch order.
-__global__ void read_paged(const uint8_t* __restrict__ k, const uint8_t* __restrict__ v,
-                           const int32_t* __restrict__ tables, int max_blocks, int nkv, int row_bytes,
-                           int heads_first, float* out) {
-  const int j = heads_first ? blockIdx.y : blockIdx.x, kvh = heads_first ? blockIdx.x : blockIdx.y, b = blockIdx.z;
-  const int blk = tables[(int64_t)b * max_blocks + j];
+// Block blk's kBs positions' K and V rows of kv head kvh (row_bytes each; pools [num_blocks, kBs,
+// nkv, row_bytes]) by 128 threads (t: this thread), all of a thread's loads in flight at once
+// (row_bytes ≤ 512: ≤ 8 per thread); returns a value no caller can predict (so nothing is elided).
+__device__ __forceinline__ uint32_t read_head_rows(const uint8_t* __restrict__ k, const uint8_t* __restrict__ v,
+                                                   int blk, int kvh, int nkv, int row_bytes, int t) {
   const int units_per_row = row_bytes / 16, units = 2 * kBs * units_per_row;   // K and V
   uint4 x[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int u = i * 128 + threadIdx.x;
+    const int u = i * 128 + t;
     x[i] = make_uint4(0, 0, 0, 0);
     if (u < units) {
       const int kv = u / (kBs * units_per_row), pos = (u / units_per_row) % kBs, c = u % units_per_row;
@@ -130,7 +125,19 @@ __global__ void read_paged(const uint8_t* __restrict__ k, const uint8_t* __restr
   uint32_t acc = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc ^= x[i].x;
-  if (acc == 0x12345678u) out[0] = 1.0f;
+  return acc;
+}
+// The rows one call reads, through its block table: CTA (block j, kv head, sequence) reads
+// the kBs positions' K and V rows of that kv head (row_bytes each; K and V pools
+// [num_blocks, kBs, nkv, row_bytes]); tables: [B, max_blocks]. All of a thread's loads in
+// flight at once (row_bytes ≤ 512: ≤ 8 per thread with 128 threads). Grid (blocks, nkv, B), or
+// with heads_first (nkv, blocks, B): the kv heads' CTAs of one block adjacent in launch order.
+__global__ void read_paged(const uint8_t* __restrict__ k, const uint8_t* __restrict__ v,
+                           const int32_t* __restrict__ tables, int max_blocks, int nkv, int row_bytes,
+                           int heads_first, float* out) {
+  const int j = heads_first ? blockIdx.y : blockIdx.x, kvh = heads_first ? blockIdx.x : blockIdx.y, b = blockIdx.z;
+  const int blk = tables[(int64_t)b * max_blocks + j];
+  if (read_head_rows(k, v, blk, kvh, nkv, row_bytes, threadIdx.x) == 0x12345678u) out[0] = 1.0f;
 }
 
 // read_paged's CTA (block j, kv head, sequence) that also bulk-prefetches into L2 the other kv
@@ -149,22 +156,7 @@ __global__ void read_paged_pf(const uint8_t* __restrict__ k, const uint8_t* __re
       if (oh != kvh) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pos_row + oh * row_bytes),
                                   "r"(row_bytes) : "memory");
   }
-  const int units_per_row = row_bytes / 16, units = 2 * kBs * units_per_row;   // K and V
-  uint4 x[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int u = i * 128 + threadIdx.x;
-    x[i] = make_uint4(0, 0, 0, 0);
-    if (u < units) {
-      const int kv = u / (kBs * units_per_row), pos = (u / units_per_row) % kBs, c = u % units_per_row;
-      const uint8_t* row = (kv == 0 ? k : v) + (((int64_t)blk * kBs + pos) * nkv + kvh) * row_bytes;
-      x[i] = __ldcs(reinterpret_cast<const uint4*>(row) + c);
-    }
-  }
-  uint32_t acc = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc ^= x[i].x;
-  if (acc == 0x12345678u) out[0] = 1.0f;
+  if (read_head_rows(k, v, blk, kvh, nkv, row_bytes, threadIdx.x) == 0x12345678u) out[0] = 1.0f;
 }
 // One kv head's rows of TWO consecutive blocks per CTA (256 threads, the strided layout): pall's
 // CTA count and size without its contiguous rows (session 18).
@@ -174,22 +166,7 @@ __global__ void read_paged_two_blocks(const uint8_t* __restrict__ k, const uint8
   const int j = 2 * blockIdx.x + threadIdx.x / 128, kvh = blockIdx.y, b = blockIdx.z, t = threadIdx.x % 128;
   if (j >= max_blocks) return;
   const int blk = tables[(int64_t)b * max_blocks + j];
-  const int units_per_row = row_bytes / 16, units = 2 * kBs * units_per_row;
-  uint4 x[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int u = i * 128 + t;
-    x[i] = make_uint4(0, 0, 0, 0);
-    if (u < units) {
-      const int kv = u / (kBs * units_per_row), pos = (u / units_per_row) % kBs, c = u % units_per_row;
-      const uint8_t* row = (kv == 0 ? k : v) + (((int64_t)blk * kBs + pos) * nkv + kvh) * row_bytes;
-      x[i] = __ldcs(reinterpret_cast<const uint4*>(row) + c);
-    }
-  }
-  uint32_t acc = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc ^= x[i].x;
-  if (acc == 0x12345678u) out[0] = 1.0f;
+  if (read_head_rows(k, v, blk, kvh, nkv, row_bytes, t) == 0x12345678u) out[0] = 1.0f;
 }
 
 // One CTA per (block, sequence) reading every kv head's rows: each position's nkv · row_bytes
