@@ -7,9 +7,12 @@
 // Decomposition (flash-decoding style split over V, so one row of 248 320 logits is read by
 // ~61 CTAs instead of one: a single 1024-thread CTA per row managed ≈ 5 GB/s in the seed engine):
 //   Split pass: grid (S = ceil(V / 4096), R), 256 threads. CTA (s, r) owns logits
-//     [s·4096, (s+1)·4096) of row r; thread t reads v = s·4096 + t + 256·i, i ∈ [0, 16)
-//     (a warp reads 32 consecutive logits: coalesced, and no alignment assumption on V or the
-//     row stride, e.g. V = 248 077). Each thread takes the max of its 16 and its first index,
+//     [s·4096, (s+1)·4096) of row r; thread t reads the 16-byte units i ∈ [0, 16 / U) at
+//     v = s·4096 + (256·i + t)·U + [0, U), U = 8 bf16 | 4 f32 logits (v3: a warp reads 512
+//     contiguous bytes per unit; v2 read one logit per thread per load, 64 bytes per warp
+//     instruction). One 16-byte load per unit when rows are 16-byte aligned and the unit lies
+//     inside [0, V), else element loads of the same logits (V = 248 077, odd strides): the
+//     same values in the same registers either way. Each thread takes the max of its 16 and its first index,
 //     then Σ exp(x − max) (v2; v1 kept an online running triple: expf on both sides of a
 //     data-dependent branch, ≈ 2× the instructions); the CTA merges the threads' triples
 //     (warp xor-shuffles, then 8 warp results through shared memory) and writes one partial
@@ -77,11 +80,13 @@ __device__ __forceinline__ float load_logit(const __nv_bfloat16* p) { return __b
 __device__ __forceinline__ float load_logit(const float* p) { return *p; }
 
 // grid (S, R), block kThreads: partial (max, sum, idx) of split s of row r.
-template <typename T>
+template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads) argmax_split_kernel(
     const T* __restrict__ logits,     // [R, V] (row stride row_stride)
     int64_t vocab, int64_t row_stride,
     float* __restrict__ partials) {   // [3, R, S]
+  constexpr int kUnit = 16 / sizeof(T);             // logits per 16-byte unit: 8 bf16 | 4 f32
+  constexpr int kUnits = kPerThread / kUnit;        // units per thread
   const int s = blockIdx.x, r = blockIdx.y;
   const int num_splits = gridDim.x, rows = gridDim.y;
   const T* row = logits + static_cast<int64_t>(r) * row_stride;
@@ -89,12 +94,23 @@ __global__ void __launch_bounds__(kThreads) argmax_split_kernel(
   pdl_wait();                  // the logits are the previous kernel's output
   pdl_launch_dependents();
 
-  // 1. each thread scans its 16 strided logits (all loads issued before the dependent math)
+  // 1. each thread loads its units (unit i: logits v0 + (i·256 + t)·kUnit + [0, kUnit), so a warp
+  //    reads 512 contiguous bytes per unit and a thread's logits ascend), all loads issued before
+  //    the dependent math; kVec: one 16-byte load per unit wholly inside [0, V) (rows 16-byte
+  //    aligned), else element loads — the same logits in the same places either way
   float x[kPerThread];
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int64_t v = v0 + threadIdx.x + i * kThreads;
-    x[i] = v < vocab ? load_logit(row + v) : -INFINITY;
+  for (int i = 0; i < kUnits; ++i) {
+    const int64_t u0 = v0 + (static_cast<int64_t>(i) * kThreads + threadIdx.x) * kUnit;
+    if (kVec && u0 + kUnit <= vocab) {
+      const uint4 q = *reinterpret_cast<const uint4*>(row + u0);
+      const T* e = reinterpret_cast<const T*>(&q);
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) x[i * kUnit + j] = load_logit(e + j);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) x[i * kUnit + j] = u0 + j < vocab ? load_logit(row + u0 + j) : -INFINITY;
+    }
   }
   // Two passes over the registers (v2): the max and its first index by compares alone, then
   // Σ exp(x − max) — one expf per logit and no divergent branch (v1's online push rescaled the
@@ -102,7 +118,7 @@ __global__ void __launch_bounds__(kThreads) argmax_split_kernel(
   Best b = empty_best();
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
-    const int64_t v = v0 + threadIdx.x + i * kThreads;
+    const int64_t v = v0 + (static_cast<int64_t>(i / kUnit) * kThreads + threadIdx.x) * kUnit + i % kUnit;
     if (v >= vocab) continue;
     if (x[i] > b.m) {                    // strict >: the first of equal maxima wins
       b.m = x[i];
@@ -167,16 +183,23 @@ cudaError_t launch_argmax(const ArgmaxArgs& a, cudaStream_t stream) {
   }
   const int num_splits = static_cast<int>(ceil_div<int64_t>(a.vocab, kArgmaxChunk));
   const dim3 split_grid(num_splits, static_cast<unsigned>(a.rows));
+  const int elem = a.dtype == DType::kBF16 ? 2 : 4;
+  const bool vec = reinterpret_cast<uintptr_t>(a.logits) % 16 == 0 && (a.row_stride * elem) % 16 == 0;
+  auto split = [&](auto kernel, const auto* logits) {
+    return launch_pdl(kernel, split_grid, dim3(kThreads), 0, stream, logits, a.vocab, a.row_stride, a.partials);
+  };
   switch (a.dtype) {
-    case DType::kBF16:
-      ATLAS_RETURN_IF_ERROR(launch_pdl(argmax_split_kernel<__nv_bfloat16>, split_grid, dim3(kThreads), 0, stream,
-                                       static_cast<const __nv_bfloat16*>(a.logits), a.vocab, a.row_stride,
-                                       a.partials));
+    case DType::kBF16: {
+      const auto* p = static_cast<const __nv_bfloat16*>(a.logits);
+      ATLAS_RETURN_IF_ERROR(vec ? split(argmax_split_kernel<__nv_bfloat16, true>, p)
+                                : split(argmax_split_kernel<__nv_bfloat16, false>, p));
       break;
-    case DType::kF32:
-      ATLAS_RETURN_IF_ERROR(launch_pdl(argmax_split_kernel<float>, split_grid, dim3(kThreads), 0, stream,
-                                       static_cast<const float*>(a.logits), a.vocab, a.row_stride, a.partials));
+    }
+    case DType::kF32: {
+      const auto* p = static_cast<const float*>(a.logits);
+      ATLAS_RETURN_IF_ERROR(vec ? split(argmax_split_kernel<float, true>, p) : split(argmax_split_kernel<float, false>, p));
       break;
+    }
     default:
       return cudaErrorInvalidValue;
   }
