@@ -4,6 +4,7 @@
 //
 //   driver            Qwen3.6-35B-A3B experts: h 2048, I 512, NVFP4, 256 routed experts + the
 //                     shared expert as expert 256 in slot 8 (k = 9), T ∈ {1, 4, 8, 16, 24, 32} tokens
+//   driver T...       the same at the given token counts
 //
 // Per T: graph-replayed µs per call (20 calls per graph, expert weights rotating over kCopies
 // copies of 455 MB, so no call finds its experts in L2 — at T = 1 a call reads 16 MB, so the
@@ -13,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <set>
 #include <vector>
@@ -47,7 +49,7 @@ struct Stack {
   }
 };
 
-int main() {
+int main(int argc, char** argv) {
   const int h = 2048, inter = 512, routed = 256, k = 9, E = routed + 1;
   const double expert_bytes = 3.0 * h * inter * (0.5 + 1.0 / 16);   // gate, up, down: packed + scales
   cudaStream_t s;
@@ -61,7 +63,10 @@ int main() {
   }
   std::mt19937 rng(7);
   printf("%-4s %8s %8s %8s %9s\n", "T", "us", "experts", "floor_us", "x_floor");
-  for (const int T : {1, 4, 8, 16, 24, 32}) {
+  std::vector<int> Ts = {1, 4, 8, 16, 24, 32};
+  if (argc > 1) Ts.clear();
+  for (int i = 1; i < argc; ++i) Ts.push_back(std::atoi(argv[i]));
+  for (const int T : Ts) {
     std::vector<int32_t> ids(size_t(T) * k);
     std::set<int> hit;
     for (int t = 0; t < T; ++t) {
