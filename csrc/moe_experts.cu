@@ -587,16 +587,23 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
     const int64_t row0_e = static_cast<int64_t>(sl.e) * N;
     if constexpr (F::kScaled) {
       // The job's rows of each stack are one contiguous run (gate_up: kJobRows / 2 gate rows and
-      // as many up rows of K/2 bytes; down: ≤ kJobRows rows): one bulk L2 prefetch per stack reads
+      // as many up rows of K/2 bytes; down: ≤ kJobRows rows). down: one bulk L2 prefetch reads
       // them from DRAM sequentially, where the chunk stream alone asks for 256-byte row pieces K/2
-      // bytes apart (checkpoint row-major layout); the stream's copies then hit L2. ≤ 72 KB
-      // (gate_up) / 18 KB (down) per CTA ahead of use: 28 / 14 MB of L2 over the grid.
+      // bytes apart (checkpoint row-major layout); the stream's copies then hit L2 (≤ 18 KB per
+      // CTA ahead of use). gate_up prefetches its scales only: its 64 KB of weight rows per CTA
+      // (≈ 42 MB over 5 CTAs per SM, most of the L2) were partly evicted before the stream used
+      // them — session 19, moe_probe T = 32: 257 MB read from DRAM for 186 MB of experts, 110.9
+      // µs; without the weight prefetch 195 MB, 102.4 µs (T = 20 / 24 / 32 calls 122 / 138 /
+      // 160 → 115 / 130 / 151 µs; prefetching in 2, 4 or 8 pieces per row as the stream reaches
+      // them was slower still).
       constexpr int kStacks = kGateUp ? 2 : 1, kStackRows = kGateUp ? kJobRows / 2 : kJobRows;
       if (tid < kStacks) {
         const int n0 = sl.tile * kStackRows, rows = kGateUp ? kStackRows : min(kStackRows, N - n0);
         const int64_t row = row0_e + n0;
-        prefetch_l2_bulk(static_cast<const uint8_t*>(p.a[tid].weight) + row * F::row_bytes(K),
-                         static_cast<uint32_t>(rows * F::row_bytes(K)));
+        if constexpr (!kGateUp) {
+          prefetch_l2_bulk(static_cast<const uint8_t*>(p.a[tid].weight) + row * F::row_bytes(K),
+                           static_cast<uint32_t>(rows * F::row_bytes(K)));
+        }
         const uint8_t* scales = p.a[tid].block_scale + row * (K / 16);
         if ((K / 16) % 16 == 0 && reinterpret_cast<uintptr_t>(scales) % 16 == 0) {   // (stacks: 8-byte aligned)
           prefetch_l2_bulk(scales, static_cast<uint32_t>(rows * (K / 16)));

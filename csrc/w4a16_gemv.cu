@@ -987,6 +987,7 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
 constexpr int kM1MaxSmem = 160 * 1024;
 constexpr int kWarpSplitActBytes = 40 * 1024;   // K ≤ 20480: warp split instead of a cluster
 constexpr int kWarpSplitMaxTilesPerSm = 24;     // one split, but a few long CTAs per SM: warp split
+constexpr int kIndexedWarpSplitMaxTilesPerSm = 6;   // the same for expert-indexed launches (moe T = 1)
 constexpr int kWarpSplitMinChunks = 4;          // chunks per warp below which 8 warps per tile lose
 int m1_smem(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, const SplitPlan& plan) {
   if (a.m != 1 || !vec) return 0;
@@ -1207,9 +1208,14 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     //    hardware balances the tail. The v3.6 probe sweep on the H200: 27B q+gate+k+v 18.7 µs vs
     //    20.1 with one split, 35B q+gate+k+v 8.0 vs 9.0, 27B down 21.7 vs 25.6 (4-CTA clusters),
     //    gate_up even (34.6 vs 34.9); the LM heads (117 tiles per SM) lose 11–28% (each CTA
-    //    stages all of K for one tile), so they keep one split.
+    //    stages all of K for one tile), so they keep one split. Expert-indexed launches
+    //    (moe_experts gate+up: K = 2048, 64 tiles per slot, 9 slots per token) only up to
+    //    kIndexedWarpSplitMaxTilesPerSm (session 19 moe_probe: T = 1, 4.4 tiles per SM, 17.8 µs
+    //    vs 18.5 without; T = 2..5, 8–20 tiles per SM, 1.6–3.6 µs slower with it: T = 4 39.3
+    //    vs 36.5);
     const bool stage_all_k = chunks * kXRowBytes <= kWarpSplitActBytes;
-    int ws = splits > 1 ? splits : (tiles <= kWarpSplitMaxTilesPerSm * sms ? segs / 2 : 1);
+    const int ws_max_tiles = (indexed ? kIndexedWarpSplitMaxTilesPerSm : kWarpSplitMaxTilesPerSm) * sms;
+    int ws = splits > 1 ? splits : (tiles <= ws_max_tiles ? segs / 2 : 1);
     //  - S = segs (eight warps, one segment each) instead of segs / 2 where a segment holds
     //    ≥ kWarpSplitMinChunks chunks on average (the last may be shorter) and the one-tile CTAs
     //    all fit at once (v3.12: twice the warps on the same SMs; probe: 27B down 21.4 → 19.7 µs,
