@@ -585,26 +585,13 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
   bool x_live[kXRows];                   // column < rows
   auto enter = [&](const JobSlot<kCols>& sl) {
     const int64_t row0_e = static_cast<int64_t>(sl.e) * N;
-    if constexpr (F::kScaled) {
-      // The job's scale rows (gate_up: kJobRows / 2 gate rows and as many up rows; down: ≤
-      // kJobRows rows; K/16 bytes each) are one contiguous run per stack: one bulk L2 prefetch
-      // each, so the chunk stream's 8-byte scale copies hit L2. The weight rows are not
-      // prefetched: up to v6 they were too (72 KB per gate_up CTA, ≈ 47 MB over 5 CTAs per SM,
-      // the whole L2), and part was evicted before the stream reached it — session 19, moe_probe
-      // T = 32: gate_up read 257 MB from DRAM for 186 MB of experts (110.9 µs), 195 MB without
-      // (102.4 µs); whole calls T = 20 / 32 / 128: 130.8 / 163.1 / 425.6 µs with both launches
-      // prefetching, 121.5 / 151.9 / 417.7 with neither; prefetching in 2, 4 or 8 pieces per row
-      // as the stream reaches them was slower than either.
-      constexpr int kStacks = kGateUp ? 2 : 1, kStackRows = kGateUp ? kJobRows / 2 : kJobRows;
-      if (tid < kStacks) {
-        const int n0 = sl.tile * kStackRows, rows = kGateUp ? kStackRows : min(kStackRows, N - n0);
-        const int64_t row = row0_e + n0;
-        const uint8_t* scales = p.a[tid].block_scale + row * (K / 16);
-        if ((K / 16) % 16 == 0 && reinterpret_cast<uintptr_t>(scales) % 16 == 0) {   // (stacks: 8-byte aligned)
-          prefetch_l2_bulk(scales, static_cast<uint32_t>(rows * (K / 16)));
-        }
-      }
-    }
+    // No L2 bulk prefetch of the job's rows: up to v6 each job prefetched its weight rows (72 KB
+    // per gate_up CTA, ≈ 47 MB over 5 CTAs per SM: the whole L2) and scale rows, and part was
+    // evicted before the chunk stream reached it — session 19, moe_probe T = 32: gate_up read
+    // 257 MB from DRAM for 186 MB of experts (110.9 µs), 195 MB without the weight prefetch
+    // (102.4 µs). Whole calls T = 20 / 32 / 128: 130.8 / 163.1 / 425.6 µs (v6), 119.6 / 152.3 /
+    // 418.6 without the weight prefetch, 116.8 / 148.5 / 410.5 without either; prefetching each
+    // row in 2, 4 or 8 pieces as the stream reaches them was slower than all three.
 #pragma unroll
     for (int j = 0; j < kWPieces; ++j) {
       const int q = tid + kCtaThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
