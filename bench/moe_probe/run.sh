@@ -1,6 +1,6 @@
 #!/bin/bash
 # bench/moe_probe/run.sh — on a GPU machine: build the moe_probe driver against variants of the
-# CURRENT csrc/moe_experts.cu and print, per variant and T ∈ {1, 8, 32}, graph-replayed µs
+# CURRENT csrc/moe_experts.cu and print, per variant and T (the driver's list), graph-replayed µs
 # beside the floor. Torch-free (nvcc only).
 set -euo pipefail
 cd "$(dirname "$0")"
