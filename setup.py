@@ -1,13 +1,11 @@
 """Build atlas: the pure-Python package, plus the CUDA extension `atlas._C` when it can be built.
 
 One list of sources: `csrc/bindings.cpp` (all torch/pybind11 glue) and every kernel `csrc/*.cu`
-(lean CUDA, no torch headers). sm_90a unless TORCH_CUDA_ARCH_LIST says otherwise (9.0 is
-built as 9.0a: wgmma). Without nvcc
+(lean CUDA, no torch headers). sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise. Without nvcc
 or without a CUDA build of torch, the package installs without the extension and says so.
 """
 import glob
 import os
-import re
 import shutil
 import sys
 
@@ -32,10 +30,7 @@ def _extension():
         print(f"atlas: building without the CUDA extension ({why}); kernels_available() will be False",
               file=sys.stderr)
         return [], {}
-    # Hopper is built as sm_90a: the staged w4a16_gemv kernel issues wgmma (common/nvfp4_mma.cuh),
-    # which plain sm_90 code cannot; "9.0" (CI, the README) means the H200 this package targets.
-    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0")
-    os.environ["TORCH_CUDA_ARCH_LIST"] = re.sub(r"\b9\.0(?!a)", "9.0a", arch)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     ext = CUDAExtension(
         name="atlas._C",
         sources=SOURCES,

@@ -222,25 +222,6 @@ __device__ __forceinline__ void row_plan(const W4A16GemvWeight& wt, int K, int c
   }
 }
 
-// The staged kernel's activation stage in wgmma order (M > 16, kWgmmaMinMt): the B operand
-// of k16 step s = 2w + h (w = word, h = half of the mma pair) is a K-major no-swizzle matrix
-// of 2 × MT core matrices (8 rows × 8 k, 16 B per row): half o (logical k 8o .. 8o+7) of
-// activation row r at byte s · 256·MT + o · 128·MT + 16·r. Core row (s, o, r) holds, for t =
-// 0..3, the pair (x[32t + 8w + 2h + o], x[32t + 8w + 2h + o + 4]) of row r — logical k (8o +
-// 2t, 8o + 2t + 1) of the mma's B fragment under the K permutation (the same pairs the mma
-// path's prmt builds). Plain activations: raw unit u = 4t + w (k 32t + 8w .. +7) of row r is
-// copied into core row (2w + (t >> 1), t & 1, r) — the four units of (r, w) then fill exactly
-// the four core rows they become, so one thread converts them in place.
-constexpr int kWgmmaMinMt = 3;   // M > 16 on the vector path: wgmma (v3.17)
-template <int MT>
-struct WgActLayout {
-  static constexpr int kStepBytes = 256 * MT, kHalfBytes = 128 * MT;
-  __host__ __device__ static constexpr int core_row(int s, int o, int r) { return s * kStepBytes + o * kHalfBytes + 16 * r; }
-  __host__ __device__ static constexpr int raw_unit(int r, int u) { return core_row(2 * (u & 3) + (u >> 3), (u >> 2) & 1, r); }
-  // descriptor offset of step s (start address field, 16-byte units)
-  __host__ __device__ static constexpr uint64_t step_desc(int s) { return static_cast<uint64_t>(s * kStepBytes) >> 4; }
-};
-
 // A lane's share of its warp's 16-row tile(s) over the K segments of its CTA (SplitPlan; the
 // staged kernel's SegmentSums<TPW·MT> holds tile i, n8 tile mt at i·MT + mt): acc is the current
 // segment's partial; done is 0 + the finished segments' partials in order (one CTA over all
@@ -292,15 +273,10 @@ __device__ __forceinline__ void dequant_word_tiled(uint32_t q, __nv_bfloat162 f,
 // further, tile i 16·i rows); xfrag(w, mt): the B fragment (4 words) of word w for n8 tile mt;
 // acc[i·MT + mt]: tile i, n8 tile mt. Per output element the mma sequence is the TPW = 1 one.
 // kTiledBits: the words are in the tiled layout's bit order (dequant_word_tiled), else the
-// checkpoint's. kWg (the staged kernel at M > 16, one warpgroup per CTA): the B operand is the
-// stage's activations in wgmma order (WgActLayout) at descriptor b_desc, and each word's 2·TPW
-// k16 steps are wgmma.m64n(8·MT)k16 over the CTA's four warps (tile i of every warp in one
-// wgmma) — the same per-element sequence of k16 products and bits (bench/wgmma_probe). A
-// word's group stays in flight while the next word is dequantized; all are waited for before
-// returning (the caller's barrier then frees the stage, and acc is read or reset).
-template <int MT, bool kTiledBits, int TPW = 1, bool kWg = false, typename XFrag>
+// checkpoint's.
+template <int MT, bool kTiledBits, int TPW = 1, typename XFrag>
 __device__ __forceinline__ void mma_chunk(float (&acc)[TPW * MT][4], const uint8_t* w_g, const uint8_t* s_g,
-                                          XFrag xfrag, uint64_t b_desc = 0) {
+                                          XFrag xfrag) {
   uint32_t wa[TPW][4], wb[TPW][4];
   __nv_bfloat162 fa[TPW], fb[TPW];
 #pragma unroll
@@ -329,32 +305,17 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[TPW * MT][4], const uint8
         dequant_word(wb[i][w], sb, rb[i]);
       }
     }
-    if constexpr (kWg) {
-      wgmma_fence();   // ra / rb (and acc, between chunks) were written by ordinary instructions
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint4 xv = xfrag(w, mt);
 #pragma unroll
-        for (int i = 0; i < TPW; ++i) {
-          wgmma_bf16_m64k16<MT>(acc + i * MT, ra[i][2 * h], rb[i][2 * h], ra[i][2 * h + 1], rb[i][2 * h + 1],
-                                b_desc + WgActLayout<MT>::step_desc(2 * w + h));
-        }
-      }
-      wgmma_commit();
-      wgmma_wait<1>();   // word w − 1's group is done: its ra / rb registers may be reused
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const uint4 xv = xfrag(w, mt);
-#pragma unroll
-        for (int i = 0; i < TPW; ++i) {
-          // h = 0: k (8w, 8w+4) and (8w+1, 8w+5); h = 1: (8w+2, 8w+6) and (8w+3, 8w+7)
-          mma_bf16_16816(acc[i * MT + mt], ra[i][0], rb[i][0], ra[i][1], rb[i][1], xv.x, xv.y);
-          mma_bf16_16816(acc[i * MT + mt], ra[i][2], rb[i][2], ra[i][3], rb[i][3], xv.z, xv.w);
-        }
+      for (int i = 0; i < TPW; ++i) {
+        // h = 0: k (8w, 8w+4) and (8w+1, 8w+5); h = 1: (8w+2, 8w+6) and (8w+3, 8w+7)
+        mma_bf16_16816(acc[i * MT + mt], ra[i][0], rb[i][0], ra[i][1], rb[i][1], xv.x, xv.y);
+        mma_bf16_16816(acc[i * MT + mt], ra[i][2], rb[i][2], ra[i][3], rb[i][3], xv.z, xv.w);
       }
     }
   }
-  if constexpr (kWg) wgmma_wait<0>();
 }
 
 // The CTA's rows out: y = sum · global_scale · 2^7 (one f32 multiply, one rounding). One CTA
@@ -456,8 +417,6 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
                   int groups0,            // row groups of weight 0 (the rest belong to weight 1)
                   SplitPlan plan) {       // segments of K over the CTAs (blockIdx.x)
   constexpr bool kRaw = kAct != GemvAct::kPlain;        // x and x2 staged raw, then combined
-  constexpr bool kWg = kVec && MT >= kWgmmaMinMt;       // wgmma: one warpgroup (the launcher's 4 warps)
-  using WgX = WgActLayout<MT>;
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = threadIdx.x, nthreads = blockDim.x;
   const int warps = nthreads / 32, warp = tid / 32, lane = tid % 32;
@@ -551,9 +510,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   static_assert(kXUnits == 16, "tid >> 4 is tid / kXUnits");
   const int x_u = tid & (kXUnits - 1), x_r0 = tid >> 4, x_rstep = nthreads >> 4;
   const int x_dst0 = kRaw ? lay.a_off + x_r0 * kXRowBytes + x_u * 16
-                     : kWg ? lay.x_off + WgX::raw_unit(x_r0, x_u)
-                           : lay.x_off + x_r0 * kXRowBytes + bf16_unit_slot(x_r0, x_u) * 16;
-  const int x_dst_step = x_rstep * (kWg && !kRaw ? 16 : kXRowBytes);   // per x_rstep rows
+                          : lay.x_off + x_r0 * kXRowBytes + bf16_unit_slot(x_r0, x_u) * 16;
   const int64_t x_src_step = static_cast<int64_t>(x_rstep) * K;                 // elements
   const int64_t x_src0 = static_cast<int64_t>(x_r0) * K + 8 * x_u;             // chunk 0, row x_r0
   auto issue_acts = [&](int st_off, int c) {
@@ -569,13 +526,13 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
         cp_async16(dst + (lay.b_off - lay.a_off), x2s, ok ? 16 : 0);
         xs += ok ? x_src_step : 0;
         x2s += ok ? x2_step : 0;
-        dst += x_dst_step;
+        dst += x_rstep * kXRowBytes;
       }
     } else {
       for (int r = x_r0; r < M; r += x_rstep) {
         cp_async16(dst, xs, ok ? 16 : 0);
         xs += ok ? x_src_step : 0;
-        dst += x_dst_step;
+        dst += x_rstep * kXRowBytes;
       }
     }
   };
@@ -599,30 +556,8 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
         const __nv_bfloat16* bp = reinterpret_cast<const __nv_bfloat16*>(st + lay.b_off + r * kXRowBytes + u * 16);
         const float lo = activation_f32<kAct>(__bfloat162float(ap[j]), __bfloat162float(bp[j]));
         const float hi = activation_f32<kAct>(__bfloat162float(ap[j + 4]), __bfloat162float(bp[j + 4]));
-        const int dst = kWg ? WgX::core_row(2 * (u & 3) + (j >> 1), j & 1, r) + 4 * (u >> 2)
-                            : r * kXRowBytes + bf16_unit_slot(r, u) * 16 + 4 * j;
-        *reinterpret_cast<__nv_bfloat162*>(st + lay.x_off + dst) = __floats2bfloat162_rn(lo, hi);
-      }
-    } else if constexpr (kWg) {
-      // item (r, w): the four raw units 4t + w (t = 0..3) → the four core rows (2w + h, o, r),
-      // j = 2h + o taking pair j of every unit (see WgActLayout)
-      for (int i = cv_first; i < M * 4; i += nthreads) {
-        const int r = i >> 2, w = i & 3;
-        uint4 v[4];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) v[t] = *reinterpret_cast<const uint4*>(st + lay.x_off + WgX::raw_unit(r, 4 * t + w));
-        const uint4 p0 = make_uint4(prmt(v[0].x, v[0].z, 0x5410), prmt(v[1].x, v[1].z, 0x5410),
-                                    prmt(v[2].x, v[2].z, 0x5410), prmt(v[3].x, v[3].z, 0x5410));
-        const uint4 p1 = make_uint4(prmt(v[0].x, v[0].z, 0x7632), prmt(v[1].x, v[1].z, 0x7632),
-                                    prmt(v[2].x, v[2].z, 0x7632), prmt(v[3].x, v[3].z, 0x7632));
-        const uint4 p2 = make_uint4(prmt(v[0].y, v[0].w, 0x5410), prmt(v[1].y, v[1].w, 0x5410),
-                                    prmt(v[2].y, v[2].w, 0x5410), prmt(v[3].y, v[3].w, 0x5410));
-        const uint4 p3 = make_uint4(prmt(v[0].y, v[0].w, 0x7632), prmt(v[1].y, v[1].w, 0x7632),
-                                    prmt(v[2].y, v[2].w, 0x7632), prmt(v[3].y, v[3].w, 0x7632));
-        *reinterpret_cast<uint4*>(st + lay.x_off + WgX::core_row(2 * w, 0, r)) = p0;
-        *reinterpret_cast<uint4*>(st + lay.x_off + WgX::core_row(2 * w, 1, r)) = p1;
-        *reinterpret_cast<uint4*>(st + lay.x_off + WgX::core_row(2 * w + 1, 0, r)) = p2;
-        *reinterpret_cast<uint4*>(st + lay.x_off + WgX::core_row(2 * w + 1, 1, r)) = p3;
+        *reinterpret_cast<__nv_bfloat162*>(st + lay.x_off + r * kXRowBytes + bf16_unit_slot(r, u) * 16 + 4 * j) =
+            __floats2bfloat162_rn(lo, hi);
       }
     } else {
       for (int i = cv_first; i < M * kXUnits; i += nthreads) {
@@ -633,7 +568,6 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
                            prmt(a.y, a.w, 0x5410), prmt(a.y, a.w, 0x7632));
       }
     }
-    if constexpr (kWg) fence_proxy_async_smem();   // read by wgmma after the next barrier
   };
 
   SegmentSums<TPW * MT> sums;
@@ -651,18 +585,13 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   // One chunk on the tensor cores. Activation rows ≥ M are never written (stale shared
   // memory): they only feed output columns ≥ M, which are never stored (mma columns are
   // independent dot products).
-  // wgmma: B of the stage at byte offset st_off is x_desc0 + (st_off >> 4) (the start address
-  // field; 228 KB of shared memory stay below its 14 bits).
-  uint64_t x_desc0 = 0;
-  if constexpr (kWg) x_desc0 = wgmma_desc_noswizzle(smem_base + lay.x_off, WgX::kHalfBytes, 128);
   auto compute_stage = [&](int st_off) {
     const uint8_t* st = smem + st_off;
     auto xfrag = [&](int w, int mt) {
       return *reinterpret_cast<const uint4*>(st + lane_x[w] + mt * 8 * kXRowBytes);
     };
-    const uint64_t b_desc = x_desc0 + (static_cast<uint64_t>(st_off) >> 4);
-    if (kVec && wt.tiled) mma_chunk<MT, true, TPW, kWg>(sums.acc, st + lane_w, st + lane_s, xfrag, b_desc);
-    else mma_chunk<MT, false, TPW, kWg>(sums.acc, st + lane_w, st + lane_s, xfrag, b_desc);
+    if (kVec && wt.tiled) mma_chunk<MT, true, TPW>(sums.acc, st + lane_w, st + lane_s, xfrag);
+    else mma_chunk<MT, false, TPW>(sums.acc, st + lane_w, st + lane_s, xfrag);
   };
 
   // ---- prologue: the first kStages − 1 chunks' weights stream in before the previous kernel
@@ -697,7 +626,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
     cp_async_commit();
     if (c + 1 < c_end) convert_stage(next);
-    if (kWg || warp_has_rows) compute_stage(cur);   // wgmma: all four warps (rows ≥ n are zeros)
+    if (warp_has_rows) compute_stage(cur);
     if (--seg_left == 0 || c + 1 == c_end) {
       sums.finish_segment(splits, plan);
       seg_left = plan.seg_chunks;
@@ -1239,8 +1168,7 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   // gave small and mid shapes 1- or 2-warp CTAs, cost up to 35% there (M = 8: 35B q+gate+k+v
   // 12.7 µs vs 9.4, gate_up 49.7 vs 43.4; M = 32: shared expert 6.1 vs 4.2).
   int warps = kMaxWarps;
-  const bool wgmma = vec && ceil_div(a.m, 8) >= kWgmmaMinMt;   // one warpgroup per CTA, however few rows
-  while (!wgmma && warps > 1 && warps / 2 >= units) warps /= 2;
+  while (warps > 1 && warps / 2 >= units) warps /= 2;
   if (a.m == 1) {   // silu / gated, and plain M = 1 off the vector path (the vector plain ones
                     // are re-planned below): the earlier rule
     while (warps > 1 && ceil_div(units, warps) * splits < 2 * sms) warps /= 2;

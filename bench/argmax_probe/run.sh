@@ -7,7 +7,7 @@ cd "$(dirname "$0")"
 tmp=${TMPDIR:-/tmp}/argmax_probe; mkdir -p "$tmp"
 srcs=(../../csrc/argmax.cu "$@")
 for i in "${!srcs[@]}"; do
-  nvcc -std=c++17 -gencode arch=compute_90a,code=sm_90a -O3 --expt-relaxed-constexpr -I../../csrc -o "$tmp/v$i" driver.cu "${srcs[$i]}" \
+  nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr -I../../csrc -o "$tmp/v$i" driver.cu "${srcs[$i]}" \
     > "$tmp/build_$i.log" 2>&1 &
 done
 wait

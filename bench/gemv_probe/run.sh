@@ -8,7 +8,7 @@ cd "$(dirname "$0")"
 M=${1:-1}
 tmp=${TMPDIR:-/tmp}/gemv_probe; mkdir -p "$tmp"
 python3 make_probe.py ../../csrc/w4a16_gemv.cu "$tmp/probe_kernel.cu"
-build() { nvcc -std=c++17 -gencode arch=compute_90a,code=sm_90a -O3 --expt-relaxed-constexpr -I../../csrc "${@:2}" -o "$tmp/$1" driver.cu "$tmp/probe_kernel.cu"; }
+build() { nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr -I../../csrc "${@:2}" -o "$tmp/$1" driver.cu "$tmp/probe_kernel.cu"; }
 build base & build nocompute -DPROBE_NOCOMPUTE & build noact -DPROBE_NOACT & wait
 echo "=== base (sweep)"; "$tmp/base" sweep "$M"
 echo "=== nocompute"; "$tmp/nocompute" x "$M" | grep -v "^    "

@@ -22,7 +22,7 @@ awk -v a="$d" '{ print } $0 == a { print "  return cudaSuccess;  // probe: no co
 pids=()
 for v in "${variants[@]}"; do
   rm -f "$tmp/$v"
-  nvcc -std=c++17 -gencode arch=compute_90a,code=sm_90a -O3 --expt-relaxed-constexpr -I../../csrc -o "$tmp/$v" driver.cu "$tmp/$v.cu" \
+  nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr -I../../csrc -o "$tmp/$v" driver.cu "$tmp/$v.cu" \
     ../../csrc/w4a16_gemv.cu > "$tmp/build_$v.log" 2>&1 &
   pids+=($!)
 done

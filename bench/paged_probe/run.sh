@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 tmp=${TMPDIR:-/tmp}/paged_probe; mkdir -p "$tmp"
 python3 make_probe.py ../../csrc/paged_decode.cu "$tmp/probe_kernel.cu"
-build() { nvcc -std=c++17 -gencode arch=compute_90a,code=sm_90a -O3 --expt-relaxed-constexpr -I../../csrc "${@:2}" -o "$tmp/$1" driver.cu "$tmp/probe_kernel.cu"; }
+build() { nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr -I../../csrc "${@:2}" -o "$tmp/$1" driver.cu "$tmp/probe_kernel.cu"; }
 build base & b1=$!
 build nomath -DPROBE_NOMATH -diag-suppress 177 & b2=$!   # 177: helpers the variant leaves unused
 wait $b1; wait $b2   # either build failing stops the run (set -e)

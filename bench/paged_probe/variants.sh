@@ -21,7 +21,7 @@ for v in $VARIANTS; do
   cp ../../csrc/paged_decode.h "$d/"
   case $v in t128*) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeTargetCtas = 256;/kPagedDecodeTargetCtas = 128;/' "TargetCtas = 128;";; esac
   case $v in *s6) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 2 * kTileBytes >= 32768 ? 6 : 8;/' "? 6 : 8;";; esac
-  nvcc -std=c++17 -gencode arch=compute_90a,code=sm_90a -O3 --expt-relaxed-constexpr -I"$d" -I../../csrc -o "$d/bin" driver.cu "$d/probe_kernel.cu" \
+  nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr -I"$d" -I../../csrc -o "$d/bin" driver.cu "$d/probe_kernel.cu" \
     > "$d/build.log" 2>&1 &
 done
 wait

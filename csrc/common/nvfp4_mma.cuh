@@ -61,67 +61,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// ---- wgmma (sm_90a) ----
-// The staged w4a16_gemv kernel at M > 16 issues wgmma.m64nNk16 (N = 8·MT) with A — the four
-// warps' dequantized 16-row tiles — from registers and B — the activations — from shared memory,
-// instead of 4·MT mma.sync.m16n8k16 per warp. Same products, same per-k16-step accumulation:
-// bench/wgmma_probe measured identical bits (H200, 2048 outputs of K = 2048 with spread
-// exponents) and 950 vs 613 TFLOP/s back to back; and the tensor work runs asynchronously
-// beside the next word's dequantization. setup.py builds 9.0 as 9.0a for these.
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#error "atlas's sm_90 kernels use wgmma: build for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a; setup.py maps 9.0 to it)"
-#endif
-
-// Shared-memory matrix descriptor, no swizzle: core matrices of 8 rows × 16 B (contiguous
-// 128 B); lbo = bytes between core matrices adjacent along K, sbo = along M / N (the probe
-// checked this reading of the fields: the swapped one gives garbage).
-__device__ __forceinline__ uint64_t wgmma_desc_noswizzle(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((smem_addr >> 4) & 0x3FFF) | (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
-         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32);
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
-// The generic-proxy shared-memory writes before it become visible to wgmma's (async proxy)
-// reads after the next barrier.
-__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// D[64 × 8·MT] += A[64 × 16] · B[16 × 8·MT], bf16 → f32, A from registers (each warp of the
-// warpgroup its 16 rows, the m16n8k16 A fragment a0..a3), B by descriptor (K-major).
-// d[j] is n8 tile j's m16n8 accumulator fragment (the mma_bf16_16816 layout).
-template <int MT>
-__device__ __forceinline__ void wgmma_bf16_m64k16(float (*d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                                  uint64_t b_desc) {
-  static_assert(MT >= 1 && MT <= 4, "N = 8, 16, 24 or 32");
-  if constexpr (MT == 1) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, 1, 1, 1, 0;\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b_desc));
-  } else if constexpr (MT == 2) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-                 "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 1, 1, 1, 0;\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b_desc));
-  } else if constexpr (MT == 3) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 "
-                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11}, {%12,%13,%14,%15}, %16, 1, 1, 1, 0;\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-                   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b_desc));
-  } else {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, 0;\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-                   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b_desc));
-  }
-}
-
 // d = (low16(a), low16(b)) for sel 0x5410, (high16(a), high16(b)) for sel 0x7632.
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
