@@ -108,7 +108,9 @@ class NVFP4Weight:
     def prepare_gemv(self) -> "NVFP4Weight":
         """Derive the tiled layout w4a16_gemv streams (tile_for_gemv) when it applies (a CUDA
         weight with K % 128 == 0); every GEMV of this weight reads it from then on. Costs a
-        second copy of the weight's bytes. Call at load time, outside CUDA-graph capture."""
+        second copy of the weight's bytes. Call at load time, outside CUDA-graph capture.
+        Results equal the checkpoint layout's within f32 rounding (the tiled words pair other
+        k, so the mma groups a row's products differently; each layout is batch invariant)."""
         if self.packed.is_cuda and self.shape[1] % GEMV_CHUNK_K == 0:
             self.derived("gemv_tiled", tile_for_gemv)
         return self
@@ -133,7 +135,10 @@ def _chunk_major(t: Tensor, row_bytes_per_chunk: int) -> Tensor:
 
 
 # The tiled copy also re-places the bits inside each 32-bit word (8 codes, code i = k offset i):
-# the kernel forms bf16x2 register i = (code i, code i + 4) · 2^-126 — e2m1 magnitude bits 0..2
+# the kernel forms bf16x2 register i = (code 2i, code 2i + 1) · 2^-126 — k-adjacent pairs, so the
+# activations feed the mma in their natural order (v3.17: the checkpoint words' kernel pairs
+# (code i, code i + 4) made every staged-kernel CTA permute its activation stage per chunk,
+# ≈ 12% of the M = 32 time, bench/NOTES.md) — e2m1 magnitude bits 0..2
 # at bf16 bits 6..8 / 22..24, sign at 15 / 31 — as the sum of disjoint masked, shifted pieces of
 # the word (GEMV_WORD_PIECES[i]: (mask, left shift; negative = right shift) pairs):
 #   r0 = q & 0x81C081C0
@@ -144,8 +149,8 @@ def _chunk_major(t: Tensor, row_bytes_per_chunk: int) -> Tensor:
 # where v3's rotations (rotr(q, R) & magnitudes | rotr(q, S) & signs: 5 SHF.W + 6 LOP3 per
 # word) kept the ALU pipe the bottleneck (ncu: math-pipe throttle). No assignment with fewer than 5 shifted pieces
 # exists, nor one with left shifts only (search: bench/NOTES.md, w4a16_gemv v3.4). Register i's
-# 8 bits, in the order (code i bits 0, 1, 2, sign; code i + 4 bits 0, 1, 2, sign), come from the
-# word bits GEMV_WORD_SOURCES[i].
+# 8 bits, in the order (code 2i bits 0, 1, 2, sign; code 2i + 1 bits 0, 1, 2, sign), come from
+# the word bits GEMV_WORD_SOURCES[i].
 GEMV_BF16_SLOTS = (6, 7, 8, 15, 22, 23, 24, 31)
 GEMV_WORD_SOURCES = ((6, 7, 8, 15, 22, 23, 24, 31),
                      (0, 1, 2, 9, 16, 17, 18, 25),
@@ -169,7 +174,7 @@ def _gemv_word_moves() -> list[tuple[int, int, int]]:
     moves = []
     for i, sources in enumerate(GEMV_WORD_SOURCES):
         for j, dst in enumerate(sources):
-            code = i if j < 4 else i + 4
+            code = 2 * i + (j >= 4)
             moves.append((4 * code + (j % 4), 0x1, dst))
     return moves
 

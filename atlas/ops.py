@@ -184,7 +184,9 @@ def w4a16_gemv_qg(x: Tensor, q, num_heads: int, head_dim: int) -> Tensor:
 def w4a16_gemv_dual(x: Tensor, q1, q2, *, qg_head_dim: int = 0) -> tuple[Tensor, Tensor]:
     """Two weights sharing one input in one launch (k_proj and v_proj; gate and up; a gated
     q_proj and [k_proj; v_proj]): each output is bitwise equal to its own w4a16_gemv(x, q_i)
-    (y1 to w4a16_gemv_qg(x, q1, N1 / 2hd, hd) when qg_head_dim = hd > 0).
+    (y1 to w4a16_gemv_qg(x, q1, N1 / 2hd, hd) when qg_head_dim = hd > 0). One launch when both
+    weights are in the same layout (both prepare_gemv'd, as the layers hold them, or neither);
+    two otherwise.
 
     Args:
         x: [M, K] bf16, 1 ≤ M ≤ 32, K % 16 == 0.
@@ -217,8 +219,11 @@ def w4a16_gemv_dual(x: Tensor, q1, q2, *, qg_head_dim: int = 0) -> tuple[Tensor,
         raise ValueError(f"{op}: q1 must have N1 a multiple of 2·qg_head_dim = {2 * qg_head_dim} rows "
                          f"(per head [q | gate]), got N1 = {n1}")
     if use_kernel(x, q1.packed, q2.packed):
-        return torch.ops.atlas.w4a16_gemv_dual(x, *q1.gemv_operands(), q1.global_scale,
-                                               *q2.gemv_operands(), q2.global_scale, qg_head_dim)
+        p1, p2 = q1.gemv_operands(), q2.gemv_operands()
+        if p1[0].dim() != p2[0].dim():   # one tiled (prepare_gemv), one not: a launch reads one layout
+            y1 = w4a16_gemv_qg(x, q1, n1 // (2 * qg_head_dim), qg_head_dim) if qg_head_dim else w4a16_gemv(x, q1)
+            return y1, w4a16_gemv(x, q2)
+        return torch.ops.atlas.w4a16_gemv_dual(x, *p1, q1.global_scale, *p2, q2.global_scale, qg_head_dim)
     y1 = reference.w4a16_gemv(x, q1.packed, q1.block_scale, q1.global_scale)
     if qg_head_dim:
         y1 = reference.qg_deinterleave(y1, n1 // (2 * qg_head_dim), qg_head_dim)

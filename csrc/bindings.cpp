@@ -201,6 +201,10 @@ void w4a16_gemv_dual(const torch::Tensor& x,                                    
   a.x = x.data_ptr();
   a.w[0] = gemv_weight(packed1, block_scale1, global_scale1, out1, packed1.size(0), qg_head_dim1, x.size(1), x);
   a.w[1] = gemv_weight(packed2, block_scale2, global_scale2, out2, packed2.size(0), 0, x.size(1), x);
+  TORCH_CHECK(a.w[0].tiled == a.w[1].tiled,
+              "w4a16_gemv_dual: the two weights must share a layout (both tiled by NVFP4Weight.prepare_gemv, or "
+              "both checkpoint tensors), got packed1 ", a.w[0].tiled ? "tiled" : "checkpoint", " and packed2 ",
+              a.w[1].tiled ? "tiled" : "checkpoint");
   a.num_weights = 2;
   run_w4a16_gemv(a, x, out1);
 }

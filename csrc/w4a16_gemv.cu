@@ -23,7 +23,12 @@
 //         pair (2t, 2t+1) with physical k (8w+2h, 8w+2h+4) + 32t and pair (2t+8, 2t+9) with
 //         (8w+2h+1, 8w+2h+5) + 32t; the activations are permuted the same way (prmt) once per
 //         CTA when their stage lands, so the mma loop reads B fragments as they are.
-//         The per-row op order depends on K only, so a row is bit-identical for every M.
+//         Tiled weights (v3.17) pair k-adjacent codes instead: step (w, h) feeds logical pair
+//         (2t, 2t+1) with physical k (8w+4h, 8w+4h+1) + 32t and (2t+8, 2t+9) with (8w+4h+2,
+//         8w+4h+3) + 32t, which is the activations' own order — no permutation pass (it cost
+//         ≈ 12% of the M = 32 time: bench/NOTES.md, session 20). The two layouts therefore group
+//         a row's products into k16 steps differently (equal within f32 rounding, not bitwise).
+//         The per-row op order depends on K and the layout only, so a row is bit-identical for every M.
 //   dequant: nibbles i and i+4 of a 32-bit word are 16 bits apart, so one shift puts both at
 //         bits 12..15 / 28..31, and (v & 0x80008000) | ((v >> 6) & 0x01C001C0) is the bf16x2
 //         pair e2m1 · 2^-126 (0.5 is a bf16 subnormal). One exact bf16 multiply by
@@ -55,8 +60,9 @@
 //   weight layout: the checkpoint's row-major bytes, or (after NVFP4Weight.prepare_gemv, which
 //         the layers call at load) chunk-major ("tiled", csrc/w4a16_gemv.h): chunk c of all rows
 //         is one run, so a warp's chunk is 1 KB contiguous and concurrently streamed tiles are
-//         neighbours in memory; only each thread's copy plan (row_plan) and the dequant's bit
-//         order differ, the values and bits are the same. v2.4: the row-major pattern left DRAM
+//         neighbours in memory; each thread's copy plan (row_plan), the dequant's bit order and
+//         (v3.17) the k pairing of the mma steps differ — the values are the same, the k16
+//         grouping of a row's products is not (K permutation above). v2.4: the row-major pattern left DRAM
 //         ≈ 50% busy on the LM heads (64 B per row per chunk, rows K/2 bytes apart); v2.4's
 //         tile-major runs (40 KB apart per warp) reached 0.68–0.76 of copy bandwidth.
 //   M = 1 (v3): w4a16_gemv_m1_kernel — the CTA's activations loaded and permuted once, each
@@ -253,8 +259,9 @@ struct SegmentSums {
   }
 };
 
-// dequant_word for the tiled layout's word bit order (atlas/nvfp4.py GEMV_WORD_PIECES): the
-// same 4 bf16x2 registers r[i] = (code i, code i+4) · f, register i the sum of disjoint masked,
+// dequant_word for the tiled layout's word bit order (atlas/nvfp4.py GEMV_WORD_PIECES): 4 bf16x2
+// registers r[i] = (code 2i, code 2i+1) · f (v3.17; dequant_word's pairs are (code i, code i+4)
+// — the instructions are the same, the tiled copy places other codes), register i the sum of disjoint masked,
 // shifted pieces of q. Written as multiplies and a high multiply so ptxas puts the 5 shifts on
 // the FMA pipe (IMAD.SHL, LEA.HI) and only the masks on the 16-lane ALU pipe — v3's rotations
 // (5 SHF.W + 6 LOP3 per word) kept the ALU pipe the bottleneck (v3.4, bench/NOTES.md).
@@ -402,6 +409,8 @@ __device__ __forceinline__ void store_rows(const W4A16GemvArgs& args, const W4A1
 // ---- the kernel --------------------------------------------------------------------------
 // MT: n8 tiles of x rows (M ≤ 8·MT). TPW: 16-row tiles per warp (1, or 2 at MT ≥ 3). kVec: K % 128 == 0 and 16-byte rows (16-byte weight
 // copies, 8-byte scale copies, no K tail); else 8-byte weight copies and byte scale loads.
+// kTiled (vector path only): the weight is in the tiled layout — chunk-major rows and words
+// whose dequantized pairs are k-adjacent, so the activation stage is used as copied (v3.17).
 // kAct: the activation (plain x, or bf16(silu(x) · x2) / bf16(x · sigmoid(x2)) from raw rows).
 //
 // v2 (instruction diet; v1's per-segment math, sums in segment order): v1 spent ≈ 420 warp-instructions per
@@ -411,7 +420,7 @@ __device__ __forceinline__ void store_rows(const W4A16GemvArgs& args, const W4A1
 // swizzles recomputed every chunk). v2 fixes every thread's copy plan once per CTA (two
 // 16-byte weight pieces, one 8-byte scale piece, pointers advanced by a constant per chunk),
 // keeps the lane's fragment offsets in registers, and walks the stage ring by byte offset.
-template <int MT, bool kVec, GemvAct kAct, int TPW>
+template <int MT, bool kVec, bool kTiled, GemvAct kAct, int TPW>
 __global__ void __launch_bounds__(kMaxWarps * 32)
 w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
                   int groups0,            // row groups of weight 0 (the rest belong to weight 1)
@@ -546,16 +555,22 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   // (≈ 25 instructions per element: expf and an IEEE division) is spread over every warp
   // instead of stalling warp 0, which every other warp then waits for at the next barrier
   // (v1: silu down 1.46× plain).
+  // Tiled weights (natural word order, v3.17): plain activations are used as copied — no pass —
+  // and silu / gated pairs are (a_2j, a_2j+1) instead of (a_j, a_j+4).
+  static_assert(kVec || !kTiled, "the tiled layout always takes the vector path");
+  constexpr bool natural = kTiled;   // a compile-time choice: a runtime one cost up to 32 registers
   const int cv_first = (tid & 31) * warps + (tid >> 5);   // this thread's first item
   auto convert_stage = [&](int st_off) {
     uint8_t* st = smem + st_off;
     if constexpr (kRaw) {
+      const int lo_mul = natural ? 2 : 1, hi_add = natural ? 1 : 4;
       for (int i = cv_first; i < M * kXUnits * 4; i += nthreads) {
         const int r = i >> 6, u = (i >> 2) & (kXUnits - 1), j = i & 3;
         const __nv_bfloat16* ap = reinterpret_cast<const __nv_bfloat16*>(st + lay.a_off + r * kXRowBytes + u * 16);
         const __nv_bfloat16* bp = reinterpret_cast<const __nv_bfloat16*>(st + lay.b_off + r * kXRowBytes + u * 16);
-        const float lo = activation_f32<kAct>(__bfloat162float(ap[j]), __bfloat162float(bp[j]));
-        const float hi = activation_f32<kAct>(__bfloat162float(ap[j + 4]), __bfloat162float(bp[j + 4]));
+        const int jl = lo_mul * j, jh = jl + hi_add;
+        const float lo = activation_f32<kAct>(__bfloat162float(ap[jl]), __bfloat162float(bp[jl]));
+        const float hi = activation_f32<kAct>(__bfloat162float(ap[jh]), __bfloat162float(bp[jh]));
         *reinterpret_cast<__nv_bfloat162*>(st + lay.x_off + r * kXRowBytes + bf16_unit_slot(r, u) * 16 + 4 * j) =
             __floats2bfloat162_rn(lo, hi);
       }
@@ -590,8 +605,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     auto xfrag = [&](int w, int mt) {
       return *reinterpret_cast<const uint4*>(st + lane_x[w] + mt * 8 * kXRowBytes);
     };
-    if (kVec && wt.tiled) mma_chunk<MT, true, TPW>(sums.acc, st + lane_w, st + lane_s, xfrag);
-    else mma_chunk<MT, false, TPW>(sums.acc, st + lane_w, st + lane_s, xfrag);
+    mma_chunk<MT, kTiled, TPW>(sums.acc, st + lane_w, st + lane_s, xfrag);
   };
 
   // ---- prologue: the first kStages − 1 chunks' weights stream in before the previous kernel
@@ -610,7 +624,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   if (c_begin < c_end) {
     cp_async_wait<kStages - 2>();   // chunk c_begin's copies (this thread's) landed
     __syncthreads();                // … and everyone's
-    convert_stage(0);
+    if (kRaw || !natural) convert_stage(0);
   }
   int cur = 0;                                   // stage offset of chunk c
   int fill = (kStages - 1) * lay.bytes;          // stage offset of chunk c − 1 (refilled at c)
@@ -625,7 +639,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
       issue_acts(fill, c + kStages - 1);
     }
     cp_async_commit();
-    if (c + 1 < c_end) convert_stage(next);
+    if ((kRaw || !natural) && c + 1 < c_end) convert_stage(next);
     if (warp_has_rows) compute_stage(cur);
     if (--seg_left == 0 || c + 1 == c_end) {
       sums.finish_segment(splits, plan);
@@ -731,6 +745,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     if constexpr (kRaw) x2_row += x_off;
   }
   const W4A16GemvWeight& wt = *wp;
+  const bool natural = wt.tiled;   // tiled words pair (code 2i, code 2i + 1): activations unpermuted
   const int K = args.k, n_rows = wt.n;
   // Warp split (plan.warp_splits = S > 1): warp w computes tile w / S over segments
   // [(w % S)·spc, (w % S + 1)·spc) (spc = plan.segs_per_cta); the CTA stages all of K.
@@ -839,16 +854,19 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
       uint4* unit = reinterpret_cast<uint4*>(smem + lay.x_off + (i >> 4) * kXRowBytes +
                                              m1_unit_slot(i & (kXUnits - 1)) * 16);
       if constexpr (kRaw) {     // word q = bf16(act(x_q, x2_q), act(x_{q+4}, x2_{q+4})), as convert_stage
-        const __nv_bfloat16* ap = reinterpret_cast<const __nv_bfloat16*>(&a[j]);
+        const __nv_bfloat16* ap = reinterpret_cast<const __nv_bfloat16*>(&a[j]);   // (tiled: q → 2q, 2q + 1)
         const __nv_bfloat16* bp = reinterpret_cast<const __nv_bfloat16*>(&b[j]);
         uint32_t wd[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const float lo = activation_f32<kAct>(__bfloat162float(ap[q]), __bfloat162float(bp[q]));
-          const float hi = activation_f32<kAct>(__bfloat162float(ap[q + 4]), __bfloat162float(bp[q + 4]));
+          const int ql = natural ? 2 * q : q, qh = natural ? 2 * q + 1 : q + 4;
+          const float lo = activation_f32<kAct>(__bfloat162float(ap[ql]), __bfloat162float(bp[ql]));
+          const float hi = activation_f32<kAct>(__bfloat162float(ap[qh]), __bfloat162float(bp[qh]));
           wd[q] = bf162_bits(__floats2bfloat162_rn(lo, hi));
         }
         *unit = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+      } else if (natural) {     // tiled weights: the activations as they are
+        *unit = a[j];
       } else {                  // (x0..x7) → (x0,x4 | x1,x5 | x2,x6 | x3,x7)
         *unit = make_uint4(prmt(a[j].x, a[j].z, 0x5410), prmt(a[j].x, a[j].z, 0x7632),
                            prmt(a[j].y, a[j].w, 0x5410), prmt(a[j].y, a[j].w, 0x7632));
@@ -972,13 +990,13 @@ cudaError_t launch_kernel(Kernel kernel, int (&opted_in)[kMaxDevices], const W4A
   return last_launch_error();
 }
 
-template <int MT, bool kVec, GemvAct kAct, int TPW>
+template <int MT, bool kVec, bool kTiled, GemvAct kAct, int TPW>
 cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0,
                             SplitPlan plan, cudaStream_t stream) {
   const int tiles_cta = warps * TPW;
   const StageLayout lay = stage_layout(tiles_cta, MT, kAct != GemvAct::kPlain);
   static int opted_in[kMaxDevices] = {};
-  return launch_kernel(w4a16_gemv_kernel<MT, kVec, kAct, TPW>, opted_in, a, grid, warps, groups0, plan,
+  return launch_kernel(w4a16_gemv_kernel<MT, kVec, kTiled, kAct, TPW>, opted_in, a, grid, warps, groups0, plan,
                        std::max(kStages * lay.bytes, partial_bytes(grid, plan, tiles_cta, MT)), stream);
 }
 
@@ -1021,8 +1039,9 @@ cudaError_t launch_act(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, i
   if (plan.warp_splits > 1) return cudaErrorInvalidValue;   // only the one-row kernel splits warps
   auto run = [&](auto tpw) {
     constexpr int TPW = decltype(tpw)::value;
-    return vec ? launch_instance<MT, true, kAct, TPW>(a, grid, warps, groups0, plan, stream)
-               : launch_instance<MT, false, kAct, TPW>(a, grid, warps, groups0, plan, stream);
+    if (!vec) return launch_instance<MT, false, false, kAct, TPW>(a, grid, warps, groups0, plan, stream);
+    return a.w[0].tiled ? launch_instance<MT, true, true, kAct, TPW>(a, grid, warps, groups0, plan, stream)
+                        : launch_instance<MT, true, false, kAct, TPW>(a, grid, warps, groups0, plan, stream);
   };
   // M > 16: two tiles per warp; one for plain activations where the launcher picks it (silu /
   // gated at M > 16 always take two: no one-tile instance of them). Plain M = 2..8 on the
@@ -1098,6 +1117,7 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     }
     if (w.tiled && !(aligned(w.packed, 16) && aligned(w.block_scale, 8))) return cudaErrorMisalignedAddress;
   }
+  if (a.num_weights == 2 && a.w[0].tiled != a.w[1].tiled) return cudaErrorInvalidValue;   // one instance: one layout
   const bool indexed = a.slots.ids != nullptr;
   if (indexed) {   // the one-row kernel only (checked again once the plan is made)
     if (a.m != 1 || a.slots.count < 1 || a.slots.num_experts < 1 || a.slots.x_stride < 0 || a.slots.x_div < 1 ||
