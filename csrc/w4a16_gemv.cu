@@ -557,13 +557,13 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   // (v1: silu down 1.46× plain).
   // Tiled weights (natural word order, v3.17): plain activations are used as copied — no pass —
   // and silu / gated pairs are (a_2j, a_2j+1) instead of (a_j, a_j+4).
-  static_assert(kVec || !kTiled, "the tiled layout always takes the vector path");
-  constexpr bool natural = kTiled;   // a compile-time choice: a runtime one cost up to 32 registers
+  static_assert(kVec || !kTiled, "the tiled layout always takes the vector path");   // a template
+  // parameter, not wt.tiled: the runtime choice cost up to 32 registers
   const int cv_first = (tid & 31) * warps + (tid >> 5);   // this thread's first item
   auto convert_stage = [&](int st_off) {
     uint8_t* st = smem + st_off;
     if constexpr (kRaw) {
-      const int lo_mul = natural ? 2 : 1, hi_add = natural ? 1 : 4;
+      const int lo_mul = kTiled ? 2 : 1, hi_add = kTiled ? 1 : 4;
       for (int i = cv_first; i < M * kXUnits * 4; i += nthreads) {
         const int r = i >> 6, u = (i >> 2) & (kXUnits - 1), j = i & 3;
         const __nv_bfloat16* ap = reinterpret_cast<const __nv_bfloat16*>(st + lay.a_off + r * kXRowBytes + u * 16);
@@ -624,7 +624,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   if (c_begin < c_end) {
     cp_async_wait<kStages - 2>();   // chunk c_begin's copies (this thread's) landed
     __syncthreads();                // … and everyone's
-    if (kRaw || !natural) convert_stage(0);
+    if (kRaw || !kTiled) convert_stage(0);
   }
   int cur = 0;                                   // stage offset of chunk c
   int fill = (kStages - 1) * lay.bytes;          // stage offset of chunk c − 1 (refilled at c)
@@ -639,7 +639,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
       issue_acts(fill, c + kStages - 1);
     }
     cp_async_commit();
-    if ((kRaw || !natural) && c + 1 < c_end) convert_stage(next);
+    if ((kRaw || !kTiled) && c + 1 < c_end) convert_stage(next);
     if (warp_has_rows) compute_stage(cur);
     if (--seg_left == 0 || c + 1 == c_end) {
       sums.finish_segment(splits, plan);

@@ -1,7 +1,7 @@
 // wgmma_probe: can the staged w4a16_gemv kernel (M > 16) move its tensor-core work from
 // mma.sync.m16n8k16 to wgmma.m64nNk16 (A = the dequantized weights from registers, B = the
 // activations from shared memory) without changing a single output bit, and what does it buy?
-// Torch-free; build: nvcc -std=c++17 -arch=sm_90a -O3 -o /tmp/wgp probe.cu && /tmp/wgp
+// Torch-free; build: nvcc -std=c++17 -gencode arch=compute_90a,code=sm_90a -O3 -o /tmp/wgp probe.cu && /tmp/wgp
 //
 // (1) bits: D[64 × 32] = A[64 × K] · B[32 × K]^T, K = 2048, bf16 inputs with exponents spread
 //     over 2^±12, f32 accumulation in 128 k16 steps, computed (a) by mma.sync, 4 warps × 4 n8
