@@ -420,8 +420,8 @@ __device__ __forceinline__ void store_rows(const W4A16GemvArgs& args, const W4A1
 // swizzles recomputed every chunk). v2 fixes every thread's copy plan once per CTA (two
 // 16-byte weight pieces, one 8-byte scale piece, pointers advanced by a constant per chunk),
 // keeps the lane's fragment offsets in registers, and walks the stage ring by byte offset.
-template <int MT, bool kVec, bool kTiled, GemvAct kAct, int TPW>
-__global__ void __launch_bounds__(kMaxWarps * 32)
+template <int MT, bool kVec, bool kTiled, GemvAct kAct, int TPW, int kMinBlocks = 1>
+__global__ void __launch_bounds__(kMaxWarps * 32, kMinBlocks)
 w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
                   int groups0,            // row groups of weight 0 (the rest belong to weight 1)
                   SplitPlan plan) {       // segments of K over the CTAs (blockIdx.x)
@@ -990,19 +990,26 @@ cudaError_t launch_kernel(Kernel kernel, int (&opted_in)[kMaxDevices], const W4A
   return last_launch_error();
 }
 
-template <int MT, bool kVec, bool kTiled, GemvAct kAct, int TPW>
+template <int MT, bool kVec, bool kTiled, GemvAct kAct, int TPW, int kMinBlocks = 1>
 cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0,
                             SplitPlan plan, cudaStream_t stream) {
   const int tiles_cta = warps * TPW;
   const StageLayout lay = stage_layout(tiles_cta, MT, kAct != GemvAct::kPlain);
   static int opted_in[kMaxDevices] = {};
-  return launch_kernel(w4a16_gemv_kernel<MT, kVec, kTiled, kAct, TPW>, opted_in, a, grid, warps, groups0, plan,
+  return launch_kernel(w4a16_gemv_kernel<MT, kVec, kTiled, kAct, TPW, kMinBlocks>, opted_in, a, grid, warps, groups0, plan,
                        std::max(kStages * lay.bytes, partial_bytes(grid, plan, tiles_cta, MT)), stream);
 }
 
 // The one-row kernel's shared memory (0: it does not apply — M > 1, the generic path, or a
 // K range too long to hold; those take w4a16_gemv_kernel).
 constexpr int kM1MaxSmem = 160 * 1024;
+// The tiled MT = 1, TPW = 2 instance (plain M = 2..8) takes 108 registers (4 CTAs per SM); bounded
+// to 5 CTAs per SM it takes 92 without spilling. Session 20 probe (call 10, nat3 vs v3.17, µs):
+// 35B q+gate+k+v M = 8 9.6 → 8.0, M = 2 9.3 → 7.9; 35B LM head M = 8 86.7 → 82.7, M = 2 83.6 →
+// 79.7 — but 27B o M = 8 11.5 → 13.1, 27B q+gate+k+v 18.9 → 21.1 (K = 6144 / 5120). So only up
+// to K = 2048 (every 35B-A3B shape with the bound's gain; not probed as a rule yet).
+constexpr int kBoundedMaxK = 2048;
+constexpr int kBoundedBlocks = 5;
 constexpr int kWarpSplitActBytes = 40 * 1024;   // K ≤ 20480: warp split instead of a cluster
 constexpr int kWarpSplitMaxTilesPerSm = 24;     // one split, but a few long CTAs per SM: warp split
 constexpr int kIndexedWarpSplitMaxTilesPerSm = 6;   // the same for expert-indexed launches (moe T = 1)
@@ -1040,6 +1047,11 @@ cudaError_t launch_act(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, i
   auto run = [&](auto tpw) {
     constexpr int TPW = decltype(tpw)::value;
     if (!vec) return launch_instance<MT, false, false, kAct, TPW>(a, grid, warps, groups0, plan, stream);
+    if constexpr (MT == 1 && TPW == 2 && kAct == GemvAct::kPlain) {
+      if (a.w[0].tiled && a.k <= kBoundedMaxK) {   // M = 2..8, short K: 5 CTAs per SM (≤ 102 registers)
+        return launch_instance<1, true, true, kAct, 2, kBoundedBlocks>(a, grid, warps, groups0, plan, stream);
+      }
+    }
     return a.w[0].tiled ? launch_instance<MT, true, true, kAct, TPW>(a, grid, warps, groups0, plan, stream)
                         : launch_instance<MT, true, false, kAct, TPW>(a, grid, warps, groups0, plan, stream);
   };
