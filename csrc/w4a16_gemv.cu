@@ -420,7 +420,10 @@ __device__ __forceinline__ void store_rows(const W4A16GemvArgs& args, const W4A1
 // swizzles recomputed every chunk). v2 fixes every thread's copy plan once per CTA (two
 // 16-byte weight pieces, one 8-byte scale piece, pointers advanced by a constant per chunk),
 // keeps the lane's fragment offsets in registers, and walks the stage ring by byte offset.
-template <int MT, bool kVec, bool kTiled, GemvAct kAct, int TPW, int kMinBlocks = 1>
+// kMinBlocks 0 leaves the minimum unstated: an explicit 1 is not the same thing to ptxas — it
+// re-allocated every instance (56 → 70, 80 → 96 registers) and cost the 27B o projection 11.3 →
+// 13.2 µs at M = 2..8 (session 21 probe).
+template <int MT, bool kVec, bool kTiled, GemvAct kAct, int TPW, int kMinBlocks = 0>
 __global__ void __launch_bounds__(kMaxWarps * 32, kMinBlocks)
 w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
                   int groups0,            // row groups of weight 0 (the rest belong to weight 1)
@@ -990,7 +993,7 @@ cudaError_t launch_kernel(Kernel kernel, int (&opted_in)[kMaxDevices], const W4A
   return last_launch_error();
 }
 
-template <int MT, bool kVec, bool kTiled, GemvAct kAct, int TPW, int kMinBlocks = 1>
+template <int MT, bool kVec, bool kTiled, GemvAct kAct, int TPW, int kMinBlocks = 0>
 cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0,
                             SplitPlan plan, cudaStream_t stream) {
   const int tiles_cta = warps * TPW;
@@ -1004,10 +1007,10 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
 // K range too long to hold; those take w4a16_gemv_kernel).
 constexpr int kM1MaxSmem = 160 * 1024;
 // The tiled MT = 1, TPW = 2 instance (plain M = 2..8) takes 108 registers (4 CTAs per SM); bounded
-// to 5 CTAs per SM it takes 92 without spilling. Session 20 probe (call 10, nat3 vs v3.17, µs):
-// 35B q+gate+k+v M = 8 9.6 → 8.0, M = 2 9.3 → 7.9; 35B LM head M = 8 86.7 → 82.7, M = 2 83.6 →
-// 79.7 — but 27B o M = 8 11.5 → 13.1, 27B q+gate+k+v 18.9 → 21.1 (K = 6144 / 5120). So only up
-// to K = 2048 (every 35B-A3B shape with the bound's gain; not probed as a rule yet).
+// to 5 CTAs per SM it takes 92 without spilling. Session 21 probe (call 2, µs, M = 2 / 8): 35B
+// q+gate+k+v 9.3 → 7.8 / 9.5 → 8.0, 35B LM head 83.7 → 79.8 / 86.4 → 83.1; unguarded it also cost
+// 27B q+gate+k+v (K = 5120) 18.1 → 19.6 / 18.9 → 21.0, so only up to K = 2048 (every 35B-A3B shape
+// that gains; the 27B shapes keep today's instance, unchanged in the probe).
 constexpr int kBoundedMaxK = 2048;
 constexpr int kBoundedBlocks = 5;
 constexpr int kWarpSplitActBytes = 40 * 1024;   // K ≤ 20480: warp split instead of a cluster
