@@ -179,13 +179,15 @@ def _gemv_word_moves() -> list[tuple[int, int, int]]:
     return moves
 
 
-def gemv_word_bits(packed: Tensor) -> Tensor:
+def gemv_word_bits(packed: Tensor, inverse: bool = False) -> Tensor:
     """uint8 [..., 4j] checkpoint packing → the same codes in the tiled word bit order above
-    (little-endian 32-bit words)."""
+    (little-endian 32-bit words); inverse=True maps that order back to the checkpoint's."""
     words = packed.reshape(-1, 4).to(torch.int64)
     w = words[:, 0] | (words[:, 1] << 8) | (words[:, 2] << 16) | (words[:, 3] << 24)
     out = torch.zeros_like(w)
     for src, mask, dst in _gemv_word_moves():
+        if inverse:
+            src, dst = dst, src
         out |= ((w >> src) & mask) << dst
     b = torch.stack([(out >> (8 * j)) & 0xFF for j in range(4)], dim=1).to(torch.uint8)
     return b.reshape(packed.shape)
@@ -216,6 +218,23 @@ def tile_for_gemv(q: "NVFP4Weight") -> tuple[Tensor, Tensor]:
         buf[c:c + rows_per_pass] = gemv_word_bits(buf[c:c + rows_per_pass])
     scale = _chunk_major(q.block_scale.view(torch.uint8), GEMV_CHUNK_K // 16).view(torch.float8_e4m3fn)
     return packed, scale
+
+
+def expert_words_for_gemv(packed: Tensor) -> Tensor:
+    """An NVFP4 expert stack's packed codes, uint8 [E, N, K/2] (checkpoint words) → a new
+    contiguous uint8 [E, N, K/8, 4]: the same bytes' codes with each 32-bit word in the GEMV bit
+    order (gemv_word_bits) — the form ops.moe_experts reads without any activation permutation
+    (csrc/moe_experts.cu v7: T = 32 −8%). Rows stay row-major; the 4-D shape is what tells
+    moe_experts the word order. Derived once at load (atlas.layers.ffn expert banks on CUDA)."""
+    check_tensor("expert_words_for_gemv", "packed", packed, dtype=torch.uint8, ndim=3, what="uint8 [E, N, K/2]")
+    e, n, half_k = packed.shape
+    if half_k % 4:
+        raise ValueError(f"expert_words_for_gemv: K = {2 * half_k} must be a multiple of 8")
+    out = torch.empty(e, n, half_k // 4, 4, dtype=torch.uint8, device=packed.device)
+    per_pass = max(1, (1 << 24) // max(1, n * half_k))           # bounds the int64 temporaries
+    for e0 in range(0, e, per_pass):
+        out[e0:e0 + per_pass] = gemv_word_bits(packed[e0:e0 + per_pass]).view(-1, n, half_k // 4, 4)
+    return out
 
 
 def _checked_global_scale(op: str, name: str, t: Tensor) -> Tensor:

@@ -1151,7 +1151,8 @@ def _(table, ids, hidden, w_embed, w_hidden, eps, zero_centered):
 
 
 def _expert_stack(op: str, name: str, s, shape_nk, device):
-    """A stack of E expert weights [E, N, K]: bf16 Tensor, or (packed uint8 [E, N, K/2],
+    """A stack of E expert weights [E, N, K]: bf16 Tensor, or (packed uint8 [E, N, K/2] —
+    or [E, N, K/8, 4], the words in the GEMV bit order (nvfp4.expert_words_for_gemv) —,
     block_scale e4m3 [E, N, K/16], global_scale f32 [E]). Returns (tensors, is_nvfp4)."""
     if isinstance(s, Tensor):
         check_tensor(op, name, s, dtype=torch.bfloat16, shape=(None, *shape_nk), device=device, contiguous=True,
@@ -1161,8 +1162,12 @@ def _expert_stack(op: str, name: str, s, shape_nk, device):
         raise TypeError(f"{op}: {name} must be a bf16 tensor or a (packed, block_scale, global_scale) tuple")
     n, k = shape_nk
     packed, scale, gs = s
-    check_tensor(op, f"{name}[0]", packed, dtype=torch.uint8, shape=(None, n, k // 2), device=device,
-                 contiguous=True, what=f"uint8 [E, {n}, {k // 2}]")
+    if isinstance(packed, Tensor) and packed.dim() == 4:   # GEMV word order
+        check_tensor(op, f"{name}[0]", packed, dtype=torch.uint8, shape=(None, n, k // 8, 4), device=device,
+                     contiguous=True, what=f"uint8 [E, {n}, {k // 8}, 4] (GEMV word order)")
+    else:
+        check_tensor(op, f"{name}[0]", packed, dtype=torch.uint8, shape=(None, n, k // 2), device=device,
+                     contiguous=True, what=f"uint8 [E, {n}, {k // 2}] or [E, {n}, {k // 8}, 4]")
     e = packed.shape[0]
     check_tensor(op, f"{name}[1]", scale, dtype=torch.float8_e4m3fn, shape=(e, n, k // 16), device=device,
                  contiguous=True, what=f"e4m3 [E, {n}, {k // 16}]")
@@ -1175,6 +1180,9 @@ def _dense_stack(t: tuple) -> Tensor:
     if len(t) == 1:
         return t[0]
     packed, scale, gs = t
+    if packed.dim() == 4:   # words in the GEMV bit order: back to the checkpoint's
+        from atlas.nvfp4 import gemv_word_bits   # (nvfp4 imports this module)
+        packed = gemv_word_bits(packed, inverse=True).flatten(2)
     e, n, half_k = packed.shape
     lut = reference.e2m1_lut(packed.device)
     vals = torch.stack([lut[(packed & 0xF).long()], lut[(packed >> 4).long()]], dim=-1).view(e, n, -1, 16)
@@ -1196,7 +1204,10 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
         weights: float32 [T, k] routing weights.
         gate, up: expert stacks [E, I, h]; down: [E, h, I] (I % 32 == 0). Each is a bf16
             tensor, or an NVFP4 tuple (packed uint8 [E, N, K/2], block_scale e4m3 [E, N, K/16],
-            global_scale f32 [E]); all three in the same format; E ≤ 4096.
+            global_scale f32 [E]); all three in the same format; E ≤ 4096. NVFP4 packed may
+            instead be uint8 [E, N, K/8, 4], each 32-bit word's codes in the GEMV bit order
+            (nvfp4.expert_words_for_gemv, what the layers hold on CUDA: the kernels then skip the
+            activation permutation); all three in the same word order.
         shared: optional [T, h] bf16, the shared expert's output, combined in the epilogue;
         shared_gate: [T] bf16 (any stride) shared-expert gate logits, required with shared.
         out_dtype: float32 (default without shared) or bfloat16 (the sum rounded once; the only
@@ -1225,6 +1236,9 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
     d, d4 = _expert_stack(op, "down", down, (h, inter), x.device)
     if not g4 == u4 == d4:
         raise TypeError(f"{op}: gate, up and down must share one format (all bf16 or all NVFP4)")
+    if g4 and not g[0].dim() == u[0].dim() == d[0].dim():
+        raise ValueError(f"{op}: gate, up and down must share one NVFP4 word order "
+                         f"(packed all [E, N, K/2] or all [E, N, K/8, 4])")
     if len({s[0].shape[0] for s in (g, u, d)}) != 1:
         raise ValueError(f"{op}: gate, up and down must hold the same number of experts E")
     if not 1 <= g[0].shape[0] <= MOE_EXPERTS_MAX_EXPERTS:

@@ -573,15 +573,21 @@ void embedding_norm_concat(const torch::Tensor& table,      // [V, h] bf16 conti
 }
 
 namespace moe {
-// One expert stack: bf16 [E, N, K] (scale, gs undefined) or NVFP4 packed [E, N, K/2] + e4m3 [E, N, K/16] + f32 [E].
+// One expert stack: bf16 [E, N, K] (scale, gs undefined) or NVFP4 packed [E, N, K/2] (checkpoint
+// words) | [E, N, K/8, 4] (words in the GEMV bit order: *gemv_words = true) + e4m3 [E, N, K/16] + f32 [E].
 atlas::ExpertStack stack(const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
-                         const c10::optional<torch::Tensor>& gs, bool nvfp4, int64_t n, int64_t k, const char* name) {
+                         const c10::optional<torch::Tensor>& gs, bool nvfp4, int64_t n, int64_t k, const char* name,
+                         bool* gemv_words) {
   CHECK_CUDA_TENSOR(w); CHECK_CONTIGUOUS(w);
-  TORCH_CHECK(w.dim() == 3 && w.size(1) == n, "moe_experts: ", name, " must be [E, ", num(n), ", K]");
+  const bool words = nvfp4 && w.dim() == 4;
+  TORCH_CHECK((w.dim() == 3 || words) && w.size(1) == n, "moe_experts: ", name, " must be [E, ", num(n),
+              ", K] (NVFP4: [E, N, K/2] or [E, N, K/8, 4])");
+  *gemv_words = words;
   atlas::ExpertStack s{};
   s.weight = w.data_ptr();
   if (nvfp4) {
-    TORCH_CHECK(w.scalar_type() == torch::kByte && w.size(2) == k / 2 && scale.has_value() && gs.has_value(),
+    const bool packed_k = words ? w.size(2) == k / 8 && w.size(3) == 4 : w.size(2) == k / 2;
+    TORCH_CHECK(w.scalar_type() == torch::kByte && packed_k && scale.has_value() && gs.has_value(),
                 "moe_experts: ", name, " must be NVFP4 (packed, block_scale, global_scale)");
     TORCH_CHECK(scale->is_contiguous() && scale->size(0) == w.size(0) && scale->size(1) == n && scale->size(2) == k / 16 &&
                 gs->is_contiguous() && gs->numel() == w.size(0) && gs->scalar_type() == torch::kFloat,
@@ -627,10 +633,13 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
   const c10::cuda::CUDAGuard guard(x.device());
   atlas::MoeExpertsArgs a{};
   a.x = x.data_ptr(); a.ids = ids.data_ptr<int32_t>(); a.weights = weights.data_ptr<float>();
-  a.gate = moe::stack(gate, gate_scale, gate_gs, nvfp4, inter, h, "gate");
-  a.up = moe::stack(up, up_scale, up_gs, nvfp4, inter, h, "up");
-  a.down = moe::stack(down, down_scale, down_gs, nvfp4, h, inter, "down");
-  a.nvfp4 = nvfp4; a.out = out.data_ptr();
+  bool words[3];
+  a.gate = moe::stack(gate, gate_scale, gate_gs, nvfp4, inter, h, "gate", &words[0]);
+  a.up = moe::stack(up, up_scale, up_gs, nvfp4, inter, h, "up", &words[1]);
+  a.down = moe::stack(down, down_scale, down_gs, nvfp4, h, inter, "down", &words[2]);
+  TORCH_CHECK(words[0] == words[1] && words[1] == words[2],
+              "moe_experts: gate, up and down must share one NVFP4 word order (all [E, N, K/2] or all [E, N, K/8, 4])");
+  a.nvfp4 = nvfp4; a.gemv_words = words[0]; a.out = out.data_ptr();
   a.out_bf16 = out.scalar_type() == torch::kBFloat16;
   if (with_shared) {
     a.shared = shared->data_ptr(); a.shared_gate = shared_gate->data_ptr(); a.shared_gate_stride = shared_gate->stride(0);

@@ -51,7 +51,8 @@
 //      partials no GEMV reproduces). Columns = the record's pairs, B
 //      row = x[p / k]. Stores act[p, n] = bf16(silu(bf16(g)) · bf16(u)), each 8-element unit of
 //      an act row in the mma K order (n0, n4, n1, n5, n2, n6, n3, n7: what permute_unit makes of
-//      an activation unit), so down takes its B fragments as loaded (no prmt).
+//      an activation unit; natural order for stacks in the GEMV word order, below), so down
+//      takes its B fragments as loaded (no prmt).
 //      down: 128 threads, 4 tile warps; rows n = 64x + 16·tw .. +16, tiles = ceil(h / 64);
 //      B row = act[p]; stores d[p, n] = bf16(dot) into a [T·k, h] bf16 scratch.
 //      MT (template, from T at launch): 1 for T ≤ 64 (C = 8: the stage is 6.5 KB, so deep rings
@@ -70,7 +71,10 @@
 //     step (w, h) pairs physical k (8w+2h, 8w+2h+4) and (8w+2h+1, 8w+2h+5) + 32t; the B
 //     fragment is the 16-byte activation unit k 32t+8w .. +8 of row g, permuted by 4 prmt at
 //     read time (gate_up; down's act units are stored permuted; BF16 weights get the same
-//     permutation).
+//     permutation). NVFP4 stacks in the GEMV word bit order (gemv_words, v7: ops.moe_experts'
+//     [E, N, K/8, 4] form, which atlas's expert banks hold on CUDA) dequantize to k-adjacent
+//     pairs (dequant_word_tiled, w4a16_gemv v3.17's words): step h takes k 8w+4h .. +4 of the
+//     unit in order, so the activations and act are used and stored as they are (no prmt).
 //   pipeline: the CTA's jobs are one flat sequence of positions, ceil(nc / P)·P per job (nc =
 //     ceil(K / 128) chunks, P = CW positions per step, CW chunks per warp and step: 2 for
 //     NVFP4 at MT = 1, else 1; positions ≥ nc of a job are empty when P ∤ nc); kStages cp.async
@@ -125,9 +129,14 @@
 //       23.8 µs at B = 1, 168.9 at B = 32.
 //   v5: sums in w4a16_gemv's K segment order (gate_up's two K groups dropped: 4-warp
 //       CTAs); one token through the expert-indexed one-row GEMV (3 launches).
-//   v6 (this): the indexed path for every T·k ≤ 144 (one slot per pair, x row p / k), not
+//   v6: the indexed path for every T·k ≤ 144 (one slot per pair, x row p / k), not
 //       just T = 1: T = 4 / 8 / 16 −21 / −21 / −7% (moe_probe, see indexed_path); the combine
 //       keeps 8 slots' loads in flight (T = 1 −0.7 µs, T = 32 −2.6).
+//   v7 (this): NVFP4 stacks in the GEMV word bit order (gemv_words, derived once at load by the
+//       expert banks): no activation prmt in gate_up, act stored in natural order, and the
+//       indexed path's one-row kernel takes its natural-order instance. moe_probe timing of
+//       random words (session 21, call 1, µs): T = 1 17.7 → 16.9, 8 61.0 → 56.0, 16 104.8 →
+//       94.2, 32 148.1 → 136.2, 64 202.5 → 186.7.
 //
 // Floor: bytes = (experts hit) · (2·I·h + h·I) · B_w (B_w = 9/16 NVFP4, 2 BF16) + x, act, d, out.
 //   35B-A3B (h 2048, I 512, top-8 of 256 + the shared expert as slot 8), NVFP4: B = 1: 9 experts
@@ -162,6 +171,7 @@ struct Workspace {
   size_t info;          // int2 [R_max]    record r: {expert, rows}
   size_t pairs;         // int32 [R_max, C] pair ids of record r (columns ≥ rows never written)
   size_t act;           // bf16 [T·k, I]   silu(g)·u per pair, units in mma K order (invalid pairs' rows unwritten)
+                        //                 (natural order with gemv_words)
   size_t d;             // bf16 [T·k, h]   down output per pair (idem)
   size_t up;            // indexed_path only: bf16 [T·k, I] up · x per pair (act holds gate · x), else 0 bytes
   size_t bytes;
@@ -291,8 +301,14 @@ __device__ __forceinline__ uint4 permute_unit(uint4 a) {
 }
 
 // Weight formats: bytes per row per chunk, copy pieces, and the lane's A fragment of word wd.
+// kNaturalK: the A fragment registers pair k-adjacent codes (NVFP4 stacks in the GEMV word bit
+// order, MoeExpertsArgs::gemv_words): activations feed the mma as loaded and act is stored in
+// natural order. Otherwise they pair (k, k + 4) and activations go through permute_unit (x: at
+// read time; act: on gate_up's store).
+template <bool kGemvWords>
 struct Nvfp4Format {
   static constexpr bool kScaled = true;
+  static constexpr bool kNaturalK = kGemvWords;
   // Stages: the persistent CTA streams job after job through one ring, kStages − P positions
   // ahead of the step it computes (P = CW chunks per step, CW = 2 at MT = 1). MT = 1 (6.5 KB per
   // stage): 5 — 3 chunks (14 KB of weights) ahead per CTA and 6 CTAs (33 KB smem, ≤ 80
@@ -322,13 +338,21 @@ struct Nvfp4Format {
   __device__ static void word(const Frag& f, const uint8_t*, int, int, int, int wd, uint32_t (&ra)[4],
                               uint32_t (&rb)[4]) {
     const uint32_t qa[4] = {f.qa.x, f.qa.y, f.qa.z, f.qa.w}, qb[4] = {f.qb.x, f.qb.y, f.qb.z, f.qb.w};
-    dequant_word(qa[wd], wd < 2 ? __low2bfloat162(f.fa) : __high2bfloat162(f.fa), ra);
-    dequant_word(qb[wd], wd < 2 ? __low2bfloat162(f.fb) : __high2bfloat162(f.fb), rb);
+    const __nv_bfloat162 sa = wd < 2 ? __low2bfloat162(f.fa) : __high2bfloat162(f.fa);
+    const __nv_bfloat162 sb = wd < 2 ? __low2bfloat162(f.fb) : __high2bfloat162(f.fb);
+    if constexpr (kGemvWords) {
+      dequant_word_tiled(qa[wd], sa, ra);
+      dequant_word_tiled(qb[wd], sb, rb);
+    } else {
+      dequant_word(qa[wd], sa, ra);
+      dequant_word(qb[wd], sb, rb);
+    }
   }
 };
 
 struct Bf16Format {
   static constexpr bool kScaled = false;
+  static constexpr bool kNaturalK = false;   // A = permute_unit of the bf16 unit
   __host__ __device__ static constexpr int stages(int mt) { return mt == 1 ? 4 : 3; }   // 4× NVFP4's bytes
   static constexpr int kRowBytes = kChunkK * 2;      // 256
   static constexpr int kScaleBytes = 0;
@@ -687,7 +711,8 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
         if (mt > 0 && mt >= live_mt) break;   // warp-uniform; rows ≥ 1
         const int xr = 8 * mt + g;   // activation row (column of the mma)
         const uint4 raw = *reinterpret_cast<const uint4*>(xs + xr * kXRowBytes + bf16_unit_slot(xr, 4 * t + wd) * 16);
-        const uint4 xv = kGateUp ? permute_unit(raw) : raw;   // down: act is stored in mma K order
+        // down: act is stored in the mma's K order (permuted by gate_up's store, or natural)
+        const uint4 xv = kGateUp && !F::kNaturalK ? permute_unit(raw) : raw;
         mma_bf16_16816(acc[mt], ra[0], rb[0], ra[1], rb[1], xv.x, xv.y);   // h = 0
         mma_bf16_16816(acc[mt], ra[2], rb[2], ra[3], rb[3], xv.z, xv.w);   // h = 1
       }
@@ -724,9 +749,10 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
           if (col >= rows) continue;
           int i;
           const int n = row_of(sl.tile, row0 + r, i);
-          // gate_up: act element n lands at its mma K position inside its 8-element unit, the
-          // order permute_unit gives (x0, x4, x1, x5, …): n % 8 = g → 2g (g < 4) | 2g − 7
-          const int n_out = kGateUp ? n - g + (g < 4 ? 2 * g : 2 * g - 7) : n;
+          // gate_up: act element n lands at its mma K position inside its 8-element unit — the
+          // order permute_unit gives (x0, x4, x1, x5, …): n % 8 = g → 2g (g < 4) | 2g − 7 — or
+          // at n (kNaturalK)
+          const int n_out = kGateUp && !F::kNaturalK ? n - g + (g < 4 ? 2 * g : 2 * g - 7) : n;
           __nv_bfloat16* dst = p.out + static_cast<int64_t>(sl.pair[col]) * N + n_out;
           const float v = __bfloat162float(__float2bfloat16(done[mt][q] * factor));
           if constexpr (kGateUp) {
@@ -975,11 +1001,12 @@ cudaError_t launch_indexed(const MoeExpertsArgs& a, const Workspace& ws, cudaStr
   auto* u = reinterpret_cast<__nv_bfloat16*>(base + ws.up);    // [T·k, I]
   auto* d = reinterpret_cast<__nv_bfloat16*>(base + ws.d);     // [T·k, h]
   const int64_t h = a.hidden, inter = a.inter;
-  auto weight = [](const ExpertStack& s, void* out, int n) {
+  auto weight = [&a](const ExpertStack& s, void* out, int n) {
     W4A16GemvWeight w;
     w.packed = static_cast<const uint8_t*>(s.weight);
     w.block_scale = s.block_scale;
     w.global_scale = s.global_scale;
+    w.gemv_words = a.gemv_words;
     w.out = out;
     w.n = n;
     return w;
@@ -1062,7 +1089,7 @@ size_t moe_experts_workspace_bytes(int64_t num_tokens, int top_k, int num_expert
 cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
   if (!sizes_ok(a.num_tokens, a.top_k, a.num_experts, a.hidden, a.inter) || a.x == nullptr || a.ids == nullptr ||
       a.weights == nullptr || a.workspace == nullptr || a.out == nullptr ||
-      (a.shared != nullptr && a.shared_gate == nullptr)) {
+      (a.shared != nullptr && a.shared_gate == nullptr) || (a.gemv_words && !a.nvfp4)) {
     return cudaErrorInvalidValue;
   }
   auto aligned = [](const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
@@ -1087,7 +1114,9 @@ cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
     ATLAS_RETURN_IF_ERROR(launch_pdl(moe_group_kernel, dim3(1), dim3(kGroupThreads), group_smem, stream, a.ids,
                                      pairs, a.num_experts, 8 * ws.mt, rec));
   }
-  return a.nvfp4 ? launch_typed<Nvfp4Format>(a, rec, ws, stream) : launch_typed<Bf16Format>(a, rec, ws, stream);
+  if (!a.nvfp4) return launch_typed<Bf16Format>(a, rec, ws, stream);
+  return a.gemv_words ? launch_typed<Nvfp4Format<true>>(a, rec, ws, stream)
+                      : launch_typed<Nvfp4Format<false>>(a, rec, ws, stream);
 }
 
 }  // namespace atlas

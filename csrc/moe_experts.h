@@ -27,6 +27,9 @@ struct MoeExpertsArgs {
   ExpertStack up;         // [E, I, h]
   ExpertStack down;       // [E, h, I]
   bool nvfp4;             // all three stacks NVFP4 (else all BF16)
+  bool gemv_words;        // nvfp4 only: every 32-bit word of the three stacks holds its 8 codes in
+                          //   the GEMV bit order (atlas/nvfp4.py gemv_word_bits; rows stay
+                          //   row-major): k-adjacent dequant pairs, no activation permutation
   void* workspace;        // moe_experts_workspace_bytes(T, k, E, h, I) bytes, 256-byte aligned, any
                           //   contents: the expert groups, act [T·k, I] bf16, d [T·k, h] bf16
   const void* shared;     // optional [T, h] bf16 contiguous: the shared expert's output

@@ -259,21 +259,6 @@ struct SegmentSums {
   }
 };
 
-// dequant_word for the tiled layout's word bit order (atlas/nvfp4.py GEMV_WORD_PIECES): 4 bf16x2
-// registers r[i] = (code 2i, code 2i+1) · f (v3.17; dequant_word's pairs are (code i, code i+4)
-// — the instructions are the same, the tiled copy places other codes), register i the sum of disjoint masked,
-// shifted pieces of q. Written as multiplies and a high multiply so ptxas puts the 5 shifts on
-// the FMA pipe (IMAD.SHL, LEA.HI) and only the masks on the 16-lane ALU pipe — v3's rotations
-// (5 SHF.W + 6 LOP3 per word) kept the ALU pipe the bottleneck (v3.4, bench/NOTES.md).
-__device__ __forceinline__ void dequant_word_tiled(uint32_t q, __nv_bfloat162 f, uint32_t (&r)[4]) {
-  const uint32_t sub[4] = {q & 0x81C081C0u,
-                           (q & 0x02070207u) * 64u,
-                           (q & 0x00380038u) * 8u + (q & 0x04000400u) * 32u,
-                           __umulhi(q & 0x38003800u, 1u << 27) + (q & 0x40004000u) * 2u};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) r[i] = bf162_bits(__hmul2(bits_bf162(sub[i]), f));
-}
-
 // One 128-k chunk of a warp's TPW adjacent 16-row tiles on the tensor cores: 4 words × 2 mma
 // steps × MT n8 tiles × TPW tiles, each B fragment loaded once for all TPW tiles. w_g / s_g:
 // the lane's 16 packed bytes and 2 scale bytes of the first tile's row g (row g + 8 is 8 rows
@@ -706,8 +691,10 @@ __host__ __device__ inline int m1_cta_chunks(const SplitPlan& plan, int num_chun
   return plan.warp_splits > 1 ? num_chunks : plan.seg_chunks * plan.segs_per_cta;
 }
 
-// kIndexed: an expert-indexed launch (args.slots, W4A16GemvSlots; moe_experts at T = 1).
-template <GemvAct kAct, bool kIndexed>
+// kIndexed: an expert-indexed launch (args.slots, W4A16GemvSlots; moe_experts at T·k ≤ 144), whose
+// stacks' words are in the GEMV bit order iff kGemvWords (W4A16GemvWeight::gemv_words): a
+// compile-time choice, where a runtime one cost the indexed instances spills (session 21, ptxas).
+template <GemvAct kAct, bool kIndexed, bool kGemvWords = false>
 __global__ void __launch_bounds__((kAct == GemvAct::kPlain ? kMaxWarpsM1 : kMaxWarps) * 32,
                                   kAct == GemvAct::kPlain ? kM1MinBlocks : 0)   // 0: no minimum
 w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
@@ -748,7 +735,8 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     if constexpr (kRaw) x2_row += x_off;
   }
   const W4A16GemvWeight& wt = *wp;
-  const bool natural = wt.tiled;   // tiled words pair (code 2i, code 2i + 1): activations unpermuted
+  // words pair (code 2i, 2i + 1): activations unpermuted (gemv_words: indexed launches only)
+  const bool natural = kIndexed ? kGemvWords : wt.tiled;
   const int K = args.k, n_rows = wt.n;
   // Warp split (plan.warp_splits = S > 1): warp w computes tile w / S over segments
   // [(w % S)·spc, (w % S + 1)·spc) (spc = plan.segs_per_cta); the CTA stages all of K.
@@ -908,7 +896,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     }
   };
   if (warp_has_rows && chunks > 0) {
-    if (wt.tiled) run(std::true_type{});
+    if (kIndexed ? kGemvWords : wt.tiled) run(std::true_type{});
     else run(std::false_type{});
   }
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -1031,8 +1019,12 @@ cudaError_t launch_m1(const W4A16GemvArgs& a, dim3 grid, int warps, int groups0,
     if constexpr (kAct == GemvAct::kSigmoidGate) {
       return cudaErrorInvalidValue;
     } else {
-      static int opted_in[kMaxDevices] = {};
-      return launch_kernel(w4a16_gemv_m1_kernel<kAct, true>, opted_in, a, grid, warps, groups0, plan, smem, stream);
+      static int opted_in[2][kMaxDevices] = {};
+      return a.w[0].gemv_words
+                 ? launch_kernel(w4a16_gemv_m1_kernel<kAct, true, true>, opted_in[1], a, grid, warps, groups0, plan,
+                                 smem, stream)
+                 : launch_kernel(w4a16_gemv_m1_kernel<kAct, true, false>, opted_in[0], a, grid, warps, groups0, plan,
+                                 smem, stream);
     }
   }
   static int opted_in[kMaxDevices] = {};
@@ -1134,6 +1126,10 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   }
   if (a.num_weights == 2 && a.w[0].tiled != a.w[1].tiled) return cudaErrorInvalidValue;   // one instance: one layout
   const bool indexed = a.slots.ids != nullptr;
+  for (int i = 0; i < a.num_weights; ++i) {   // the one-row kernel of an indexed launch only
+    if (a.w[i].gemv_words && (a.w[i].tiled || !indexed || !vec)) return cudaErrorInvalidValue;
+  }
+  if (a.num_weights == 2 && a.w[0].gemv_words != a.w[1].gemv_words) return cudaErrorInvalidValue;
   if (indexed) {   // the one-row kernel only (checked again once the plan is made)
     if (a.m != 1 || a.slots.count < 1 || a.slots.num_experts < 1 || a.slots.x_stride < 0 || a.slots.x_div < 1 ||
         a.slots.out_stride < 0 || a.slots.x_stride % 8 != 0) {

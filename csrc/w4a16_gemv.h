@@ -23,6 +23,9 @@ struct W4A16GemvWeight {
   const uint8_t* packed = nullptr;       // [rows ≥ n, K/2] uint8 (layout above), 8-byte aligned
   const uint8_t* block_scale = nullptr;  // [rows ≥ n, K/16] e4m3 bytes (layout above)
   bool tiled = false;                    // the tiled layout (requires the vector path)
+  bool gemv_words = false;               // checkpoint rows, but each 32-bit word's codes in the
+                                         // tiled layout's bit order (expert-indexed launches
+                                         // only: moe_experts' stacks, MoeExpertsArgs::gemv_words)
   int rows = 0;                          // tiled: the weight's row count (the chunk stride)
   const float* global_scale = nullptr;   // [] f32 on the device (read by the kernel: no host sync)
   void* out = nullptr;                   // [M, n] bf16 | f32, row stride n

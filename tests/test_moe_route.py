@@ -7,6 +7,7 @@ import torch
 
 import atlas
 from atlas import ops, reference
+from atlas.nvfp4 import expert_words_for_gemv, gemv_word_bits
 from helpers import rel_err
 
 
@@ -99,6 +100,11 @@ def test_moe_route_kernel_graph_replay():
 
 # ---- moe_experts (routed experts over device-side ids) -----------------------------------------
 
+# NVFP4 stacks come in two word orders: the checkpoint's ([E, N, K/2]) and the GEMV bit order
+# the layers derive on CUDA ("nvfp4w": [E, N, K/8, 4], nvfp4.expert_words_for_gemv)
+FMTS = ["bf16", "nvfp4", "nvfp4w"]
+
+
 def _stacks(g, e, inter, h, fmt):
     """gate, up [E, I, h], down [E, h, I] in fmt, plus their dense float32 values."""
     out, dense = [], []
@@ -109,8 +115,9 @@ def _stacks(g, e, inter, h, fmt):
             dense.append(s.float())
         else:
             qs = [atlas.quantize_nvfp4(w[i]) for i in range(e)]
-            s = (torch.stack([q.packed for q in qs]), torch.stack([q.block_scale for q in qs]),
-                 torch.stack([q.global_scale for q in qs]))
+            packed = torch.stack([q.packed for q in qs])
+            s = (expert_words_for_gemv(packed) if fmt == "nvfp4w" else packed,
+                 torch.stack([q.block_scale for q in qs]), torch.stack([q.global_scale for q in qs]))
             dense.append(torch.stack([q.dequantize(torch.float32) for q in qs]))
         out.append(s)
     return out, dense
@@ -120,7 +127,7 @@ def _to(s, dev):
     return s.to(dev) if isinstance(s, torch.Tensor) else tuple(x.to(dev) for x in s)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_moe_experts_reference_semantics(fmt):
     """Per pair: bf16 rounding after each projection and after silu·up; f32 weighted sum."""
     g = _gen("experts-ref", fmt)
@@ -163,8 +170,58 @@ def test_moe_experts_rejects():
         ops.moe_experts(x, ids, w, many, many, many.transpose(1, 2).contiguous())
 
 
+def test_expert_words_for_gemv_roundtrip():
+    """The GEMV word order is a byte-preserving permutation of each 32-bit word's codes: the
+    inverse restores the checkpoint bytes, and the codes move as the tiled GEMV layout's do."""
+    g = _gen("expert-words")
+    packed = torch.randint(0, 256, (3, 16, 40), generator=g, dtype=torch.uint8)   # K = 80
+    words = expert_words_for_gemv(packed)
+    assert words.shape == (3, 16, 10, 4) and words.dtype == torch.uint8 and words.is_contiguous()
+    assert torch.equal(words.flatten(2), gemv_word_bits(packed))
+    assert torch.equal(gemv_word_bits(words, inverse=True).flatten(2), packed)
+    assert not torch.equal(words.flatten(2), packed)                      # random codes do move
+
+
+@pytest.mark.parametrize("t", [1, 6])
+def test_moe_experts_gemv_words_equal_checkpoint_words_cpu(t):
+    g = _gen("experts-words-cpu", t)
+    (gate, up, down), _ = _stacks(g, 5, 32, 64, "nvfp4")
+    words = [(expert_words_for_gemv(s[0]), s[1], s[2]) for s in (gate, up, down)]
+    x = torch.randn(t, 64, generator=g).bfloat16()
+    ids = torch.randint(0, 5, (t, 3), generator=g).int()
+    w = torch.rand(t, 3, generator=g)
+    assert torch.equal(ops.moe_experts(x, ids, w, *words), ops.moe_experts(x, ids, w, gate, up, down))
+
+
+def test_moe_experts_rejects_mixed_word_orders():
+    g = _gen("experts-words-mixed")
+    (gate, up, down), _ = _stacks(g, 4, 32, 64, "nvfp4")
+    x, ids, w = torch.zeros(2, 64).bfloat16(), torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 2)
+    mixed = (expert_words_for_gemv(gate[0]), gate[1], gate[2])
+    with pytest.raises(ValueError, match="one NVFP4 word order"):
+        ops.moe_experts(x, ids, w, mixed, up, down)
+    with pytest.raises(ValueError, match=r"uint8 \[E, 32, 8, 4\]"):     # a 4-D packed of the wrong K
+        ops.moe_experts(x, ids, w, (mixed[0][:, :, :4].contiguous(), gate[1], gate[2]), up, down)
+    with pytest.raises(ValueError, match="expert_words_for_gemv: K = 12"):
+        expert_words_for_gemv(torch.zeros(1, 2, 6, dtype=torch.uint8))
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_moe_experts_binding_rejects_mixed_word_orders():
+    """The binding's own check (ops.moe_experts checks first): one launch reads one word order."""
+    g = _gen("experts-words-binding")
+    (gate, up, down), _ = _stacks(g, 4, 128, 256, "nvfp4")
+    gate, up, down = _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda")
+    x = torch.randn(1, 256, generator=g).bfloat16().cuda()
+    ids = torch.zeros(1, 2, dtype=torch.int32, device="cuda")
+    w = torch.ones(1, 2, device="cuda")
+    with pytest.raises(RuntimeError, match="one NVFP4 word order"):
+        torch.ops.atlas.moe_experts(x, ids, w, expert_words_for_gemv(gate[0]), gate[1], gate[2], *up, *down,
+                                    None, None, False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("t,k,e", [(1, 8, 256), (8, 8, 256), (32, 8, 256), (3, 10, 512), (5, 2, 8),
                                    (2, 20, 64), (17, 8, 256),
                                    (64, 4, 8),    # ≈ 32 pairs per expert: 4 records of 8 (MT = 1)
@@ -187,7 +244,7 @@ def test_moe_experts_kernel_matches_reference(fmt, t, k, e):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_moe_experts_kernel_batch_invariant(fmt):
     """Row t of a 32-row call (pairs grouped by expert on the device, tensor-core columns) is
     bitwise the 1-row call on that row alone: the batched propose drafts what each sequence
@@ -206,7 +263,7 @@ def test_moe_experts_kernel_batch_invariant(fmt):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("h,inter", [(96, 32), (256, 64), (384, 160),   # K % 128 != 0: the K-tail paths
                                      (256, 128)])   # one token: the one-row GEMV path (NVFP4)
 def test_moe_experts_kernel_repeated_and_invalid_ids(fmt, h, inter):
@@ -244,7 +301,7 @@ def test_moe_experts_kernel_repeated_and_invalid_ids(fmt, h, inter):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_moe_experts_kernel_token_alone_equals_token_in_shared_batch(fmt, out_dtype):
     """One token alone (every expert group of 1 pair, MT = 1) is bitwise the same token inside a
@@ -265,7 +322,7 @@ def test_moe_experts_kernel_token_alone_equals_token_in_shared_batch(fmt, out_dt
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_moe_experts_kernel_token_alone_equals_token_in_80_token_batch(fmt):
     """Above 64 tokens the records hold 32 pairs (MT = 4 n8 tiles) instead of 8: one token alone
     is still bitwise the same token inside an 80-token batch sharing its experts."""
@@ -284,12 +341,13 @@ def test_moe_experts_kernel_token_alone_equals_token_in_80_token_batch(fmt):
 
 
 @pytest.mark.cuda
-def test_moe_experts_kernel_indexed_batch_equals_grouped_batch():
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4w"])
+def test_moe_experts_kernel_indexed_batch_equals_grouped_batch(fmt):
     """NVFP4 with T·k ≤ 144 runs one expert-indexed GEMV slot per pair (pair p reads token p / k);
     one token more takes the grouped kernels. The shared rows are bitwise the same."""
-    g = _gen("experts-indexed-vs-grouped")
+    g = _gen("experts-indexed-vs-grouped", fmt)
     e, inter, h, k = 24, 512, 2048, 9
-    (gate, up, down), _ = _stacks(g, e, inter, h, "nvfp4")
+    (gate, up, down), _ = _stacks(g, e, inter, h, fmt)
     gate, up, down = _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda")
     x = torch.randn(17, h, generator=g).bfloat16().cuda()
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(17)]).int()
@@ -314,10 +372,11 @@ def test_moe_experts_kernel_rejects_misaligned_x():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4w"])
 @pytest.mark.parametrize("t", [1, 4])   # 1: the expert-indexed one-row GEMV path
-def test_moe_experts_kernel_graph_replay(t):
-    g = _gen("experts-graph", t)
-    (gate, up, down), _ = _stacks(g, 8, 128, 256, "nvfp4")
+def test_moe_experts_kernel_graph_replay(fmt, t):
+    g = _gen("experts-graph", fmt, t)
+    (gate, up, down), _ = _stacks(g, 8, 128, 256, fmt)
     gate, up, down = _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda")
     x = torch.randn(t, 256, generator=g).bfloat16().cuda()
     ids = torch.randint(0, 8, (t, 2), generator=g).int().cuda()
@@ -399,7 +458,7 @@ def test_moe_route_kernel_strided_logits():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("t", [1, 4])
 def test_moe_experts_kernel_shared_epilogue(fmt, t):
     g = _gen("experts-shared-cuda", fmt, t)

@@ -39,6 +39,7 @@ from atlas import ops
 from atlas._ext import use_kernel
 from atlas.fp8 import FP8_BLOCK
 from atlas.linear import GEMV_MAX_ROWS, Linear, convert_weight, load_linears, load_weight
+from atlas.nvfp4 import expert_words_for_gemv, gemv_word_bits
 from atlas.reference import e2m1_lut
 
 SILU_FUSE_MAX_K = 4096   # down-projection K up to which a multi-row step fuses silu·up (_fuse_silu)
@@ -124,7 +125,9 @@ def _nbytes(p) -> int:
 class _Stack:
     """E weights of one role (gate, up or down), all [N, K], stacked in one format:
         bf16:  w [E, N, K] bf16
-        nvfp4: packed uint8 [E, N, K/2], block_scale e4m3 [E, N, K/16], global_scale f32 [E]
+        nvfp4: packed uint8 [E, N, K/2], block_scale e4m3 [E, N, K/16], global_scale f32 [E];
+               on CUDA packed is derived once into [E, N, K/8, 4], the words in the GEMV bit
+               order (nvfp4.expert_words_for_gemv: what ops.moe_experts reads fastest)
         fp8:   w e4m3 [E, N, K], scale_inv f32 [E, ceil(N/128), ceil(K/128)]
     `dense(idx)` dequantizes the experts idx (int64 [R], on the device) to bf16 [R, N, K]."""
 
@@ -133,7 +136,10 @@ class _Stack:
         if weight_format == "bf16":
             self.t = (torch.stack(weights),)
         elif weight_format == "nvfp4":
-            self.t = (torch.stack([w.packed for w in weights]), torch.stack([w.block_scale for w in weights]),
+            packed = torch.stack([w.packed for w in weights])   # a copy of our own: re-ordered in place of it
+            if packed.is_cuda:
+                packed = expert_words_for_gemv(packed)
+            self.t = (packed, torch.stack([w.block_scale for w in weights]),
                       torch.stack([w.global_scale.reshape(()) for w in weights]))
         else:
             self.t = (torch.stack([w.weight for w in weights]), torch.stack([w.weight_scale_inv for w in weights]))
@@ -157,6 +163,8 @@ class _Stack:
         n, k = self.shape
         if self.format == "nvfp4":
             packed, bs, gs = (pick(t) for t in self.t)                        # [R, N, K/2] ...
+            if packed.dim() == 4:                                             # GEMV word order
+                packed = gemv_word_bits(packed, inverse=True).flatten(2)
             lut = e2m1_lut(packed.device).to(torch.bfloat16)                  # exact in bf16
             vals = torch.stack([lut[(packed & 0xF).long()], lut[(packed >> 4).long()]], dim=-1)
             vals = vals.view(-1, n, k // 16, 16).float()

@@ -5,6 +5,8 @@
 //   driver            Qwen3.6-35B-A3B experts: h 2048, I 512, NVFP4, 256 routed experts + the
 //                     shared expert as expert 256 in slot 8 (k = 9), T ∈ {1, 4, 8, 16, 24, 32} tokens
 //   driver T...       the same at the given token counts
+//   driver words T... the stacks read as in the GEMV word bit order (MoeExpertsArgs::gemv_words;
+//                     the bytes are random either way, so the timing is valid)
 //
 // Per T: graph-replayed µs per call (20 calls per graph, expert weights rotating over kCopies
 // copies of 455 MB, so no call finds its experts in L2 — at T = 1 a call reads 16 MB, so the
@@ -17,6 +19,7 @@
 #include <cstdlib>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "../probe_common.cuh"
@@ -64,8 +67,11 @@ int main(int argc, char** argv) {
   std::mt19937 rng(7);
   printf("%-4s %8s %8s %8s %9s\n", "T", "us", "experts", "floor_us", "x_floor");
   std::vector<int> Ts = {1, 4, 8, 16, 24, 32};
-  if (argc > 1) Ts.clear();
-  for (int i = 1; i < argc; ++i) Ts.push_back(std::atoi(argv[i]));
+  int first = 1;
+  const bool words = argc > 1 && std::string(argv[1]) == "words";
+  if (words) ++first;
+  if (argc > first) Ts.clear();
+  for (int i = first; i < argc; ++i) Ts.push_back(std::atoi(argv[i]));
   for (const int T : Ts) {
     std::vector<int32_t> ids(size_t(T) * k);
     std::set<int> hit;
@@ -95,7 +101,7 @@ int main(int argc, char** argv) {
       MoeExpertsArgs a{};
       a.x = d_x; a.ids = d_ids; a.weights = d_w;
       a.gate = gate[c].view; a.up = up[c].view; a.down = down[c].view;
-      a.nvfp4 = true; a.workspace = ws; a.out = d_out;
+      a.nvfp4 = true; a.gemv_words = words; a.workspace = ws; a.out = d_out;
       a.num_tokens = T; a.top_k = k; a.num_experts = E; a.hidden = h; a.inter = inter;
       return a;
     };

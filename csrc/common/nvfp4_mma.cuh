@@ -106,4 +106,21 @@ __device__ __forceinline__ void dequant_word(uint32_t q, __nv_bfloat162 f, uint3
   }
 }
 
+// dequant_word for the GEMV word bit order (atlas/nvfp4.py gemv_word_bits, GEMV_WORD_PIECES: the
+// tiled w4a16_gemv layout's words, and moe_experts' stacks in that order): 4 bf16x2 registers
+// r[i] = (code 2i, code 2i+1) · f — k-adjacent pairs, so activations feed the mma unpermuted
+// (w4a16_gemv v3.17; dequant_word's pairs are (code i, code i+4): the instructions are the same,
+// the word holds other codes) — register i the sum of disjoint masked, shifted pieces of q.
+// Written as multiplies and a high multiply so ptxas puts the 5 shifts on the FMA pipe
+// (IMAD.SHL, LEA.HI) and only the masks on the 16-lane ALU pipe — v3's rotations (5 SHF.W + 6
+// LOP3 per word) kept the ALU pipe the bottleneck (w4a16_gemv v3.4, bench/NOTES.md).
+__device__ __forceinline__ void dequant_word_tiled(uint32_t q, __nv_bfloat162 f, uint32_t (&r)[4]) {
+  const uint32_t sub[4] = {q & 0x81C081C0u,
+                           (q & 0x02070207u) * 64u,
+                           (q & 0x00380038u) * 8u + (q & 0x04000400u) * 32u,
+                           __umulhi(q & 0x38003800u, 1u << 27) + (q & 0x40004000u) * 2u};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r[i] = bf162_bits(__hmul2(bits_bf162(sub[i]), f));
+}
+
 }  // namespace atlas
