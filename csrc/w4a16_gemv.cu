@@ -998,7 +998,10 @@ constexpr int kM1MaxSmem = 160 * 1024;
 // (8.5 at 0), 35B q+gate+k+v 6.45 → 6.01 (6.24), down 20.1 → 19.7 (19.9) —, grids of ≤ 132
 // with 0 — 35B o 4.5 → 4.10 (4.33 at 1), shared expert 2.88 → 2.70 (2.77), expert down 2.62 →
 // 2.48 (2.53): there every warp's chain is the kernel's critical path, and a prefetch is an LSU
-// instruction like a load, queued ahead of the activations'.
+// instruction like a load, queued ahead of the activations'. bench_gemv (call 8) confirms the
+// large grids (27B o 8.88 → 8.58, gate_up 31.6 → 30.9, 35B q+gate 5.88 → 5.63) but not the small
+// ones, 2–4% slower there (35B o 4.13 → 4.29, shared expert 2.71 → 2.80, expert gate_up 2.77 →
+// 2.87): branch wip/gemv-prefetch-small keeps 2 chunks for them (not run on a GPU).
 constexpr int kM1PrefetchMinCtasPerSm = 1;
 // The tiled MT = 1, TPW = 2 instance (plain M = 2..8) takes 108 registers (4 CTAs per SM); bounded
 // to 5 CTAs per SM it takes 92 without spilling. Session 21 probe (call 2, µs, M = 2 / 8): 35B
