@@ -191,6 +191,24 @@ def test_moe_gather_and_dense_paths_agree(t):
     assert rel_err(moe(x, path="kernel"), moe(x, path="dense")) < 1e-2
 
 
+@pytest.mark.parametrize("path", ["gather", "dense", "kernel"])
+def test_moe_expert_stacks_in_gemv_word_order_cpu(path):
+    """On CUDA the expert banks hold NVFP4 stacks in the GEMV word order ([E, N, K/8, 4],
+    nvfp4.expert_words_for_gemv); every path reads them as the same weights: bitwise the
+    checkpoint order's result (the torch paths decode through _Stack.dense, the kernel path's CPU
+    reference through ops)."""
+    from atlas.nvfp4 import expert_words_for_gemv
+    g = _gen("gemv-words", path)
+    cfg = _moe_cfg(e=8, k=2)
+    moe = build_ffn(cfg, _moe_state_dict(g, cfg, "bf16", True), "mlp.", "nvfp4", "cpu")
+    x = _rand(g, 5, cfg.hidden_size)
+    want = moe(x, path=path)
+    for stack in (moe.experts.gate, moe.experts.up, moe.experts.down):
+        stack.t = (expert_words_for_gemv(stack.t[0]),) + stack.t[1:]
+    assert moe.experts.gate.t[0].dim() == 4
+    assert torch.equal(moe(x, path=path), want)
+
+
 def test_moe_routing_is_top_k_of_softmax():
     g = _gen("route")
     cfg = _moe_cfg(e=16, k=4)
