@@ -237,6 +237,18 @@ def expert_words_for_gemv(packed: Tensor) -> Tensor:
     return out
 
 
+def dequantize_expert_stack(packed: Tensor, block_scale: Tensor, global_scale: Tensor) -> Tensor:
+    """An NVFP4 expert stack → float32 [E, N, K]: packed uint8 [E, N, K/2] (checkpoint words) or
+    [E, N, K/8, 4] (GEMV word order, expert_words_for_gemv), block_scale e4m3 [E, N, K/16],
+    global_scale f32 [E]. W = e2m1 · block_scale · global_scale (exact up to the last product)."""
+    if packed.dim() == 4:   # words in the GEMV bit order: back to the checkpoint's
+        packed = gemv_word_bits(packed, inverse=True).flatten(2)
+    e, n, half_k = packed.shape
+    lut = reference.e2m1_lut(packed.device)
+    vals = torch.stack([lut[(packed & 0xF).long()], lut[(packed >> 4).long()]], dim=-1).view(e, n, -1, 16)
+    return (vals * block_scale.float().unsqueeze(-1) * global_scale.view(e, 1, 1, 1)).view(e, n, 2 * half_k)
+
+
 def _checked_global_scale(op: str, name: str, t: Tensor) -> Tensor:
     check_tensor(op, name, t, dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16))
     if t.numel() != 1:

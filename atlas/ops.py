@@ -1179,14 +1179,8 @@ def _expert_stack(op: str, name: str, s, shape_nk, device):
 def _dense_stack(t: tuple) -> Tensor:
     if len(t) == 1:
         return t[0]
-    packed, scale, gs = t
-    if packed.dim() == 4:   # words in the GEMV bit order: back to the checkpoint's
-        from atlas.nvfp4 import gemv_word_bits   # (nvfp4 imports this module)
-        packed = gemv_word_bits(packed, inverse=True).flatten(2)
-    e, n, half_k = packed.shape
-    lut = reference.e2m1_lut(packed.device)
-    vals = torch.stack([lut[(packed & 0xF).long()], lut[(packed >> 4).long()]], dim=-1).view(e, n, -1, 16)
-    return (vals * scale.float().unsqueeze(-1) * gs.view(e, 1, 1, 1)).view(e, n, 2 * half_k)
+    from atlas.nvfp4 import dequantize_expert_stack   # (nvfp4 imports this module)
+    return dequantize_expert_stack(*t)
 
 
 MOE_EXPERTS_MAX_EXPERTS = 4096  # E of the stacks: the grouping kernel counts pairs per expert in smem (csrc/moe_experts.h)

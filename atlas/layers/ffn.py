@@ -39,8 +39,7 @@ from atlas import ops
 from atlas._ext import use_kernel
 from atlas.fp8 import FP8_BLOCK
 from atlas.linear import GEMV_MAX_ROWS, Linear, convert_weight, load_linears, load_weight
-from atlas.nvfp4 import expert_words_for_gemv, gemv_word_bits
-from atlas.reference import e2m1_lut
+from atlas.nvfp4 import dequantize_expert_stack, expert_words_for_gemv
 
 SILU_FUSE_MAX_K = 4096   # down-projection K up to which a multi-row step fuses silu·up (_fuse_silu)
 
@@ -162,14 +161,7 @@ class _Stack:
             return pick(self.t[0])
         n, k = self.shape
         if self.format == "nvfp4":
-            packed, bs, gs = (pick(t) for t in self.t)                        # [R, N, K/2] ...
-            if packed.dim() == 4:                                             # GEMV word order
-                packed = gemv_word_bits(packed, inverse=True).flatten(2)
-            lut = e2m1_lut(packed.device).to(torch.bfloat16)                  # exact in bf16
-            vals = torch.stack([lut[(packed & 0xF).long()], lut[(packed >> 4).long()]], dim=-1)
-            vals = vals.view(-1, n, k // 16, 16).float()
-            scale = bs.float().unsqueeze(-1) * gs.view(-1, 1, 1, 1)
-            return (vals * scale).view(-1, n, k).to(torch.bfloat16)
+            return dequantize_expert_stack(*(pick(t) for t in self.t)).to(torch.bfloat16)
         w, s = (pick(t) for t in self.t)                                       # [R, N, K] e4m3
         s = s.repeat_interleave(FP8_BLOCK, 1)[:, :n].repeat_interleave(FP8_BLOCK, 2)[:, :, :k]
         return (w.float() * s).to(torch.bfloat16)
