@@ -189,7 +189,7 @@ struct SplitPlan {
                         // segment order, like a cluster's ranks: the same bits, no cluster)
   int tiles_per_warp = 1;  // staged kernel: 16-row tiles per warp (its template TPW: 1 or 2,
                            // chosen by the launcher; see kTpwMinTilesPerSm)
-  int prefetch_chunks = 0;  // one-row kernel: chunks (0 | 1) each warp L2-prefetches before
+  int prefetch_chunks = 0;  // one-row kernel: chunks (1 | 2) each warp L2-prefetches before
                             // griddepcontrol.wait (kM1PrefetchMinCtasPerSm)
 };
 
@@ -793,16 +793,21 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     s_src += s_step;
   };
 
-  // ---- prologue (v3.11, v3.19). Before the previous kernel is waited for (weights are
-  // constants): an L2 prefetch of the warp's first chunk (plan.prefetch_chunks: 1 when the grid
-  // has more CTAs than SMs, else 0). After it: the activations' loads, and only then the ring's
+  // ---- prologue (v3.11, v3.20). Before the previous kernel is waited for (weights are
+  // constants): an L2 prefetch of the warp's first plan.prefetch_chunks (≤ kStagesM1 − 1)
+  // chunks (kM1PrefetchMinCtasPerSm). After it: the activations' loads, and only then the ring's
   // copies (L2 hits by now, or merged with the prefetch). Copies issued before the wait queued
   // the activations' L2 hits behind every CTA's weight requests: the probe's activation phase
   // grew with the ring depth (35B q+gate+k+v: 2.9 µs at 5 stages).
-  if (warp_has_rows && chunks > 0 && plan.prefetch_chunks > 0) {
-    prefetch_l2(w_src[0]);
-    prefetch_l2(w_src[1]);
-    if (s_issuer) prefetch_l2(s_src);
+  if (warp_has_rows) {
+#pragma unroll
+    for (int p = 0; p < kStagesM1 - 1; ++p) {
+      if (p < plan.prefetch_chunks && p < chunks) {
+        prefetch_l2(w_src[0] + p * w_step);
+        prefetch_l2(w_src[1] + p * w_step);
+        if (s_issuer) prefetch_l2(s_src + p * s_step);
+      }
+    }
   }
   auto issue_prologue = [&] {
     if (warp_has_rows) {
@@ -991,17 +996,13 @@ cudaError_t launch_instance(const W4A16GemvArgs& a, dim3 grid, int warps, int gr
 // The one-row kernel's shared memory (0: it does not apply — M > 1, the generic path, or a
 // K range too long to hold; those take w4a16_gemv_kernel).
 constexpr int kM1MaxSmem = 160 * 1024;
-// The one-row kernel L2-prefetches each warp's first chunk before griddepcontrol.wait only when
-// its grid has more CTAs than SMs (v3.19; v3.11 prefetched the first kStagesM1 − 1 = 2 chunks of
-// every warp). Session 21 probe (M = 1 µs, prefetching 2 → 1 → 0 chunks, two runs; 4 / 8 or a
-// deeper ring were slower everywhere): grids of > 132 CTAs gain most with 1 — 27B o 8.9 → 8.3
-// (8.5 at 0), 35B q+gate+k+v 6.45 → 6.01 (6.24), down 20.1 → 19.7 (19.9) —, grids of ≤ 132
-// with 0 — 35B o 4.5 → 4.10 (4.33 at 1), shared expert 2.88 → 2.70 (2.77), expert down 2.62 →
-// 2.48 (2.53): there every warp's chain is the kernel's critical path, and a prefetch is an LSU
-// instruction like a load, queued ahead of the activations'. bench_gemv (call 8) confirms the
-// large grids (27B o 8.88 → 8.58, gate_up 31.6 → 30.9, 35B q+gate 5.88 → 5.63) but not the small
-// ones, 2–4% slower there (35B o 4.13 → 4.29, shared expert 2.71 → 2.80, expert gate_up 2.77 →
-// 2.87): branch wip/gemv-prefetch-small keeps 2 chunks for them (not run on a GPU).
+// The one-row kernel L2-prefetches each warp's first chunk before griddepcontrol.wait where its
+// grid has more CTAs than SMs, its first kStagesM1 − 1 = 2 (v3.11's prologue) otherwise (v3.20).
+// Session 21 probe (M = 1 µs, prefetching 2 → 1 → 0 chunks, two runs; 4 / 8 or a deeper ring
+// were slower everywhere): grids of > 132 CTAs gain most with 1 — 27B o 8.9 → 8.3 (8.5 at 0),
+// 35B q+gate+k+v 6.45 → 6.01 (6.24), down 20.1 → 19.7 (19.9); the probe favoured 0 for grids of
+// ≤ 132 (35B o 4.5 → 4.10), but bench_gemv disagreed (v3.19 = 0 there: 35B o 4.13 → 4.29, shared
+// expert 2.71 → 2.80, expert gate_up 2.77 → 2.87 µs), so those keep 2.
 constexpr int kM1PrefetchMinCtasPerSm = 1;
 // The tiled MT = 1, TPW = 2 instance (plain M = 2..8) takes 108 registers (4 CTAs per SM); bounded
 // to 5 CTAs per SM it takes 92 without spilling. Session 21 probe (call 2, µs, M = 2 / 8): 35B
@@ -1288,7 +1289,7 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   if (groups > 65535) return cudaErrorInvalidValue;
   const dim3 grid(splits, groups);
   if (indexed && m1_smem(a, vec, grid, warps, plan) == 0) return cudaErrorInvalidValue;
-  plan.prefetch_chunks = static_cast<int64_t>(splits) * groups > kM1PrefetchMinCtasPerSm * sms ? 1 : 0;
+  plan.prefetch_chunks = static_cast<int64_t>(splits) * groups > kM1PrefetchMinCtasPerSm * sms ? 1 : kStagesM1 - 1;
 
   W4A16GemvArgs args = a;
   if (raw && args.x2_stride == 0) args.x2_stride = a.k;   // contiguous rows
