@@ -189,7 +189,7 @@ struct SplitPlan {
                         // segment order, like a cluster's ranks: the same bits, no cluster)
   int tiles_per_warp = 1;  // staged kernel: 16-row tiles per warp (its template TPW: 1 or 2,
                            // chosen by the launcher; see kTpwMinTilesPerSm)
-  int prefetch_chunks = 0;  // one-row kernel: chunks (1 | 2) each warp L2-prefetches before
+  int prefetch_chunks = 0;  // one-row kernel: chunks (0 | 1 | 2) each warp L2-prefetches before
                             // griddepcontrol.wait (kM1PrefetchMinCtasPerSm)
 };
 
@@ -1002,7 +1002,11 @@ constexpr int kM1MaxSmem = 160 * 1024;
 // were slower everywhere): grids of > 132 CTAs gain most with 1 — 27B o 8.9 → 8.3 (8.5 at 0),
 // 35B q+gate+k+v 6.45 → 6.01 (6.24), down 20.1 → 19.7 (19.9); the probe favoured 0 for grids of
 // ≤ 132 (35B o 4.5 → 4.10), but bench_gemv disagreed (v3.19 = 0 there: 35B o 4.13 → 4.29, shared
-// expert 2.71 → 2.80, expert gate_up 2.77 → 2.87 µs), so those keep 2.
+// expert 2.71 → 2.80, expert gate_up 2.77 → 2.87 µs), so those keep 2 — except expert-indexed
+// launches (moe_experts T ≤ 16), which keep 0: session 22 call 1, moe_probe 0 → 2 chunks, T = 1
+// 15.6 → 16.0 µs, T = 8 53.4 → 53.8, T = 16 91.5 → 92.0, while bench_gemv took the plain small
+// shapes back to call 5 (35B o 4.29 → 4.15, shared expert 2.80 → 2.69, expert gate_up 2.87 →
+// 2.77, expert down 2.59 → 2.53).
 constexpr int kM1PrefetchMinCtasPerSm = 1;
 // The tiled MT = 1, TPW = 2 instance (plain M = 2..8) takes 108 registers (4 CTAs per SM); bounded
 // to 5 CTAs per SM it takes 92 without spilling. Session 21 probe (call 2, µs, M = 2 / 8): 35B
@@ -1289,7 +1293,9 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   if (groups > 65535) return cudaErrorInvalidValue;
   const dim3 grid(splits, groups);
   if (indexed && m1_smem(a, vec, grid, warps, plan) == 0) return cudaErrorInvalidValue;
-  plan.prefetch_chunks = static_cast<int64_t>(splits) * groups > kM1PrefetchMinCtasPerSm * sms ? 1 : kStagesM1 - 1;
+  plan.prefetch_chunks = static_cast<int64_t>(splits) * groups > kM1PrefetchMinCtasPerSm * sms ? 1
+                        : indexed                                                             ? 0
+                                                                                              : kStagesM1 - 1;
 
   W4A16GemvArgs args = a;
   if (raw && args.x2_stride == 0) args.x2_stride = a.k;   // contiguous rows
