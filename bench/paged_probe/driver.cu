@@ -311,10 +311,16 @@ struct Config { int b, len, nq, nkv; bool fp8; };
 
 int main(int argc, char** argv) {
   const bool full = !(argc > 1 && std::string(argv[1]) == "time");
+  const bool short_set = argc > 2 && std::string(argv[2]) == "short";   // the short-sequence split rule
   int sms;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const Config configs[] = {{1, 32768, 16, 2, false}, {1, 32768, 16, 2, true}, {1, 32768, 24, 4, false},
-                            {1, 1024, 16, 2, false}, {32, 32768, 16, 2, false}};
+  const std::vector<Config> configs =
+      short_set ? std::vector<Config>{{1, 512, 16, 2, false},  {1, 1024, 16, 2, false}, {1, 1024, 16, 2, true},
+                                      {1, 1024, 24, 4, false}, {1, 2048, 16, 2, false}, {8, 1024, 16, 2, false},
+                                      {32, 512, 16, 2, false}, {32, 1024, 16, 2, false}, {32, 1024, 16, 2, true},
+                                      {128, 1024, 16, 2, false}}
+                : std::vector<Config>{{1, 32768, 16, 2, false}, {1, 32768, 16, 2, true}, {1, 32768, 24, 4, false},
+                                      {1, 1024, 16, 2, false}, {32, 32768, 16, 2, false}};
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   float* sink;

@@ -6,8 +6,11 @@
 #   base    the current sources
 #   t128    kPagedDecodeTargetCtas 128 (B = 1 × 32K at nkv 2: 64 splits of 512, one CTA per SM)
 #   t128s6  t128 + kStages 6 (bf16) / 8 (fp8): one CTA per SM with ≈ 160 KB in flight
+#   split64 kPagedDecodeShortSplitLen 64 (L ≤ 1K: up to 16 splits of 64 positions, 2 tiles each)
+#   split32 kPagedDecodeShortSplitLen 32 (L ≤ 512: splits of one tile)
 # Session 12 ran these (bench/NOTES.md, paged_decode): neither beat base. Usage:
 #   VARIANTS="base t128" MODE=time bash bench/paged_probe/variants.sh     (MODE full | time)
+#   CONFIGS=short: B ∈ {1, 8, 32, 128} × L ∈ {512, 1K, 2K} instead of the long-sequence set
 set -uo pipefail
 cd "$(dirname "$0")"
 tmp=${TMPDIR:-/tmp}/paged_variants; mkdir -p "$tmp"
@@ -20,6 +23,8 @@ for v in $VARIANTS; do
   python3 make_probe.py ../../csrc/paged_decode.cu "$d/probe_kernel.cu"
   cp ../../csrc/paged_decode.h "$d/"
   case $v in t128*) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeTargetCtas = 256;/kPagedDecodeTargetCtas = 128;/' "TargetCtas = 128;";; esac
+  case $v in split64) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeShortSplitLen = 128;/kPagedDecodeShortSplitLen = 64;/' "SplitLen = 64;";; esac
+  case $v in split32) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeShortSplitLen = 128;/kPagedDecodeShortSplitLen = 32;/' "SplitLen = 32;";; esac
   case $v in *s6) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 2 * kTileBytes >= 32768 ? 6 : 8;/' "? 6 : 8;";; esac
   nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr -I"$d" -I../../csrc -o "$d/bin" driver.cu "$d/probe_kernel.cu" \
     > "$d/build.log" 2>&1 &
@@ -28,5 +33,5 @@ wait
 for v in $VARIANTS; do
   echo "=== $v"
   [ -x "$tmp/$v/bin" ] || { tail -20 "$tmp/$v/build.log"; continue; }
-  timeout 120 "$tmp/$v/bin" "${MODE:-full}" | grep -vE "^      tile  [1-9]|^      tile 1[0-9]"
+  timeout 120 "$tmp/$v/bin" "${MODE:-full}" ${CONFIGS:-} | grep -vE "^      tile  [1-9]|^      tile 1[0-9]"
 done
