@@ -79,8 +79,7 @@ def measure(head: MtpHead, b: int, k: int, iters: int) -> tuple[float, float]:
     head.propose(seqs, last, hid, k)                       # captures the (B, k) graph
     graph = head.capture_propose(b, k)
     # Every propose starts from a cold L2, as in decoding, where the target model's forward runs
-    # between two of them: without the flush, weights small enough to survive the LM head's
-    # stream (evict-first since w4a16_gemv v3.21) would be read from the previous replay's L2.
+    # between two of them (the floor counts every weight byte as read from device memory).
     us = time_events(graph.replay, warmup=5, iters=iters, setup=l2_flusher(dev)) / k
     for s in seqs:
         head.free(s)

@@ -128,13 +128,11 @@
 //   v10 KV copies carry an L2 evict-first cache policy (cp_async_16_kv), and both combines run
 //       their post-wait code once before the wait on throwaway loads (a cold-code fix: the
 //       grouped combine's wait-to-exit went 2.6–4.9 → 1.8–2.8 µs on the H200). Same bits.
-//   v11 v7's L2 warm-up only for sequences of full-length splits (≥ kPagedDecodeMinSplitLen
-//       positions): short ones are a chain of round trips that its block-id loads lengthened.
-//       Same bits (hints only).
+//   v11 v7's L2 warm-up only where the block tables can hold a sequence of full-length splits
+//       (≥ kPagedDecodeMinSplitLen positions, L > 3584). Same bits (hints only).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "common/cache_hint.cuh"
 #include "common/checks.h"
 #include "common/gate.cuh"
 #include "common/pdl.cuh"
@@ -218,7 +216,8 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // while ≈ 50 MB more KV still streams at B = 1 × 32K 24/4), the gate rows, the combine's and
 // the epilogue's code, the layer's activations. The descriptor is CUTLASS's constant for
 // CacheHintSm90::EVICT_FIRST, passed as an immediate: no createpolicy instruction, so not
-// the ptxas miscompile that drops one (common/cache_hint.cuh: kL2EvictFirst).
+// the ptxas miscompile that drops one (common/nvfp4_mma.cuh).
+constexpr uint64_t kL2EvictFirst = 0x12F0000000000000ull;
 template <int kPrefetch>
 __device__ __forceinline__ void cp_async_16_kv(uint32_t dst, const void* src, bool valid) {
   static_assert(kPrefetch == 64 || kPrefetch == 128 || kPrefetch == 256, "prefetch size");
@@ -440,17 +439,12 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   //    no L1 line can go stale) and only aim prefetches, which are hints (bounds-checked; a
   //    value the previous kernel is still writing at worst wastes one). Everything the CTA
   //    computes with is (re)read after the wait. Multi-wave grids skip it: their later CTAs
-  //    start long after the previous kernel and would only add the two round trips. So do
-  //    sequences of short splits (< kPagedDecodeMinSplitLen positions, L ≤ 3584: v11): their
-  //    CTAs hold 1–7 tiles, the whole call is a chain of a few round trips, and the warm-up's
-  //    block-id round trip sat on it (session 22 probe, B = 1 × 512 / 1K: 9.4 / 9.8 µs with
-  //    it, 8.4 / 9.1 without); the launcher drops it outright when no sequence the tables
-  //    can hold reaches such splits.
+  //    start long after the previous kernel and would only add the two round trips.
   if (pb.warm_early) {
     const int len = min(max(__ldcg(a.seq_lens + b), 0), capacity);
     const PagedDecodeSplit sp = paged_decode_split(len, paged_decode_split_cap(a.num_kv_heads));
     const int first = unit * pb.splits_per_cta, which = tid % kThreadsPerRow;   // 0: K row, 1: V row
-    if (first < sp.count && which < 2 && sp.chunk >= kPagedDecodeMinSplitLen) {
+    if (first < sp.count && which < 2) {
       const int begin = first * sp.chunk;
       const int end = min(min(first + pb.splits_per_cta, sp.count) * sp.chunk, len);
       int pos[kStages - 1], blk[kStages - 1];
@@ -1277,7 +1271,11 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   const int units = (pb.a.max_splits + pb.splits_per_cta - 1) / pb.splits_per_cta;  // per sequence
   const dim3 grid(units * pb.row_groups, pb.a.num_kv_heads, pb.a.batch);
   Problem p = pb;
-  // one wave (v7), and a sequence the tables can hold may reach splits of kPagedDecodeMinSplitLen (v11)
+  // One wave (v7), and tables that can hold a sequence of full-length splits (v11: shorter ones
+  // are a chain of a few round trips, which the warm-up's block-id round trip lengthened — session
+  // 22 probe, B = 1 × 512 / 1K bf16 16/2: 9.3 → 8.3 / 9.8 → 9.0 µs; the gate is the launcher's
+  // alone: the same test in the kernel, on the sequence's own length, cost B = 32 × 32K 1.5%
+  // with the warm-up off there).
   const int capacity = pb.a.max_blocks * pb.a.block_size;
   const bool long_splits =
       paged_decode_split(capacity, paged_decode_split_cap(pb.a.num_kv_heads)).chunk >= kPagedDecodeMinSplitLen;

@@ -115,7 +115,6 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include "common/cache_hint.cuh"
 #include "common/checks.h"
 #include "common/gate.cuh"
 #include "common/nvfp4_mma.cuh"
@@ -192,7 +191,6 @@ struct SplitPlan {
                            // chosen by the launcher; see kTpwMinTilesPerSm)
   int prefetch_chunks = 0;  // one-row kernel: chunks (0 | 1 | 2) each warp L2-prefetches before
                             // griddepcontrol.wait (kM1PrefetchMinCtasPerSm)
-  uint64_t l2_policy = kL2EvictNormal;   // the weight and scale copies' L2 priority (kStreamOnceL2Fraction)
 };
 
 // The fused activation of one element in f32 (rounded once to bf16 by the caller), written
@@ -478,11 +476,11 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     if constexpr (kVec) {
 #pragma unroll
       for (int j = 0; j < 2 * TPW; ++j) {
-        cp_async16_hint(smem_base + st_off + w_dst[j], w_src[j], w_step[j] ? 16 : 0, plan.l2_policy);
+        cp_async16(smem_base + st_off + w_dst[j], w_src[j], w_step[j] ? 16 : 0);
         w_src[j] += w_step[j];
       }
       if (s_issuer) {
-        cp_async8_hint(smem_base + st_off + lay.s_off + tid * kScaleBytes, s_src, s_step ? 8 : 0, plan.l2_policy);
+        cp_async8(smem_base + st_off + lay.s_off + tid * kScaleBytes, s_src, s_step ? 8 : 0);
         s_src += s_step;
       }
     } else {
@@ -787,11 +785,11 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   const uint32_t ring = smem_base + lay.ring_off + warp * kStagesM1 * kWarpStageBytes;
   const uint32_t ring_end = ring + kStagesM1 * kWarpStageBytes;
   auto issue = [&](uint32_t st) {
-    cp_async16_hint(st + lane * 16, w_src[0], plan.l2_policy);
-    cp_async16_hint(st + (lane + 32) * 16, w_src[1], plan.l2_policy);
+    cp_async16(st + lane * 16, w_src[0]);
+    cp_async16(st + (lane + 32) * 16, w_src[1]);
     w_src[0] += w_step;
     w_src[1] += w_step;
-    if (s_issuer) cp_async8_hint(st + kTileN * kRowBytes + lane * kScaleBytes, s_src, plan.l2_policy);
+    if (s_issuer) cp_async8(st + kTileN * kRowBytes + lane * kScaleBytes, s_src);
     s_src += s_step;
   };
 
@@ -1010,13 +1008,6 @@ constexpr int kM1MaxSmem = 160 * 1024;
 // shapes back to call 5 (35B o 4.29 → 4.15, shared expert 2.80 → 2.69, expert gate_up 2.87 →
 // 2.77, expert down 2.59 → 2.53).
 constexpr int kM1PrefetchMinCtasPerSm = 1;
-// A weight of more than L2 / kStreamOnceL2Fraction bytes cannot stay in L2 until its next use,
-// so its copies carry the evict-first policy (v3.21): they replace one another instead of the
-// lines that can stay — the layer weights an MTP head re-reads at its next draft position
-// (the LM head's 286 MB stream between two of them had evicted all of them), the logits the
-// argmax reads next, the activations. Expert-indexed launches keep the normal priority (the
-// experts a batch shares are re-read by its other tokens).
-constexpr int kStreamOnceL2Fraction = 2;
 // The tiled MT = 1, TPW = 2 instance (plain M = 2..8) takes 108 registers (4 CTAs per SM); bounded
 // to 5 CTAs per SM it takes 92 without spilling. Session 21 probe (call 2, µs, M = 2 / 8): 35B
 // q+gate+k+v 9.3 → 7.8 / 9.5 → 8.0, 35B LM head 83.7 → 79.8 / 86.4 → 83.1; unguarded it also cost
@@ -1173,8 +1164,7 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   // the fewest of 1 (no cluster: one CTA streams all of K, its setup amortized over up to 40
   // chunks at K = 5120, where v1's 8-way clusters gave each CTA 5), segs / 2 or segs that
   // still gives ≥ 3 four-warp CTAs per SM (132 SMs on the H200). Warps: see below.
-  static int sm_count[kMaxDevices] = {}, sm_smem[kMaxDevices] = {}, cta_smem_reserved[kMaxDevices] = {},
-             l2_bytes[kMaxDevices] = {};
+  static int sm_count[kMaxDevices] = {}, sm_smem[kMaxDevices] = {}, cta_smem_reserved[kMaxDevices] = {};
   int dev = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
   if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
@@ -1182,7 +1172,6 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
     ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_smem[dev], cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
     ATLAS_RETURN_IF_ERROR(
         cudaDeviceGetAttribute(&cta_smem_reserved[dev], cudaDevAttrReservedSharedMemoryPerBlock, dev));
-    ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&l2_bytes[dev], cudaDevAttrL2CacheSize, dev));
     ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
   }
   int tiles = 0;   // of the whole launch (every slot)
@@ -1307,9 +1296,6 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   plan.prefetch_chunks = static_cast<int64_t>(splits) * groups > kM1PrefetchMinCtasPerSm * sms ? 1
                         : indexed                                                             ? 0
                                                                                               : kStagesM1 - 1;
-  int64_t weight_bytes = 0;   // what this launch streams (an indexed launch's experts: never evict-first)
-  for (int i = 0; i < a.num_weights; ++i) weight_bytes += int64_t(a.w[i].n) * (a.k / 2 + a.k / 16);
-  plan.l2_policy = !indexed && weight_bytes * kStreamOnceL2Fraction > l2_bytes[dev] ? kL2EvictFirst : kL2EvictNormal;
 
   W4A16GemvArgs args = a;
   if (raw && args.x2_stride == 0) args.x2_stride = a.k;   // contiguous rows
