@@ -473,3 +473,123 @@ def test_moe_experts_kernel_shared_epilogue(fmt, t):
     out = ops.moe_experts(dev[0], dev[1], dev[2], _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda"),
                           shared=dev[3], shared_gate=dev[4][:, 16])
     assert out.dtype == torch.bfloat16 and rel_err(out.cpu(), ref) < 5e-3
+
+
+# ---- moe_experts with the fused residual add + RMSNorm epilogue -------------------------------
+
+def _norm_inputs(g, t, h, weight_f32):
+    residual = torch.randn(t, h, generator=g).bfloat16()
+    nw = torch.randn(h, generator=g) * 0.1
+    return residual, nw if weight_f32 else nw.bfloat16()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_moe_experts_norm_epilogue_is_the_composition(shared, zero_centered):
+    """CPU: residual ← bf16(out + residual), returns rms_norm of it — exactly ops.rms_norm(out, residual=)."""
+    g = _gen("experts-norm", shared, zero_centered)
+    (gate, up, down), _ = _stacks(g, 6, 32, 64, "bf16")
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    ids = torch.randint(0, 6, (3, 2), generator=g).int()
+    w = torch.rand(3, 2, generator=g)
+    extra = {}
+    if shared:
+        extra = dict(shared=torch.randn(3, 64, generator=g).bfloat16(), shared_gate=torch.randn(3, generator=g).bfloat16())
+    residual, nw = _norm_inputs(g, 3, 64, weight_f32=zero_centered)
+    res_want = residual.clone()
+    want = ops.rms_norm(ops.moe_experts(x, ids, w, gate, up, down, out_dtype=torch.bfloat16, **extra), nw, 1e-6,
+                        zero_centered, residual=res_want)
+    out = ops.moe_experts(x, ids, w, gate, up, down, residual=residual, norm_weight=nw, norm_eps=1e-6,
+                          norm_zero_centered=zero_centered, **extra)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want) and torch.equal(residual, res_want)
+
+
+def test_moe_experts_norm_epilogue_rejects():
+    g = _gen("experts-norm-rejects")
+    (gate, up, down), _ = _stacks(g, 4, 32, 64, "bf16")
+    x = torch.randn(2, 64, generator=g).bfloat16()
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    w = torch.rand(2, 2, generator=g)
+    residual, nw = _norm_inputs(g, 2, 64, weight_f32=False)
+    with pytest.raises(ValueError, match="together"):
+        ops.moe_experts(x, ids, w, gate, up, down, residual=residual)
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.moe_experts(x, ids, w, gate, up, down, residual=residual, norm_weight=nw, out_dtype=torch.float32)
+    with pytest.raises(TypeError, match="residual"):
+        ops.moe_experts(x, ids, w, gate, up, down, residual=residual.float(), norm_weight=nw)
+    with pytest.raises(ValueError, match="residual"):
+        ops.moe_experts(x, ids, w, gate, up, down, residual=residual[:1], norm_weight=nw)
+    with pytest.raises(ValueError, match="norm_weight"):
+        ops.moe_experts(x, ids, w, gate, up, down, residual=residual, norm_weight=nw[:32])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("t", [1, 3, 16, 32, 80])
+@pytest.mark.parametrize("shared", ["none", "slot", "epilogue"])
+def test_moe_experts_kernel_norm_epilogue_bitwise(fmt, t, shared):
+    """The fused combine + residual + norm gives the bits of moe_experts (bf16) then rms_norm
+    with the residual, on the indexed (T·k ≤ 144) and grouped paths, with the shared expert as
+    a slot, in the epilogue, or absent; h = 2048 (one vector per thread) and the residual too."""
+    g = _gen("experts-norm-cuda", fmt, t, shared)
+    e, k, h, inter = 17, 8, 2048, 512
+    (gate, up, down), _ = _stacks(g, e, inter, h, fmt)
+    dev = lambda s: _to(s, "cuda")  # noqa: E731
+    gate, up, down = dev(gate), dev(up), dev(down)
+    x = torch.randn(t, h, generator=g).bfloat16().cuda()
+    routed = e - 1 if shared == "slot" else e
+    ids = torch.stack([torch.randperm(routed, generator=g)[:k] for _ in range(t)]).int()
+    w = torch.rand(t, k, generator=g)
+    extra = {}
+    if shared == "slot":   # expert E − 1 is the shared expert, slot k of every row
+        ids = torch.cat([ids, torch.full((t, 1), e - 1, dtype=torch.int32)], dim=1)
+        w = torch.cat([w, torch.rand(t, 1, generator=g)], dim=1)
+    elif shared == "epilogue":
+        extra = dict(shared=torch.randn(t, h, generator=g).bfloat16().cuda(),
+                     shared_gate=torch.randn(t, 3, generator=g).bfloat16().cuda()[:, 1])
+    ids, w = ids.cuda(), w.cuda()
+    for zero_centered, weight_f32 in ((True, False), (False, True)):
+        residual, nw = (v.cuda() for v in _norm_inputs(g, t, h, weight_f32))
+        res0 = residual.clone()
+        res_want = residual.clone()
+        want = ops.rms_norm(ops.moe_experts(x, ids, w, gate, up, down, out_dtype=torch.bfloat16, **extra), nw, 1e-6,
+                            zero_centered, residual=res_want)
+        poison = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+        del poison   # the output below reuses this NaN-filled block: rows left unwritten fail
+        out = ops.moe_experts(x, ids, w, gate, up, down, residual=residual, norm_weight=nw, norm_eps=1e-6,
+                              norm_zero_centered=zero_centered, **extra)
+        torch.cuda.synchronize()
+        assert torch.equal(residual, res_want), (fmt, t, shared, zero_centered)
+        assert torch.equal(out, want), (fmt, t, shared, zero_centered)
+        ref = ops.rms_norm(ops.moe_experts(x.cpu(), ids.cpu(), w.cpu(), _to(gate, "cpu"), _to(up, "cpu"),
+                                           _to(down, "cpu"), out_dtype=torch.bfloat16,
+                                           **{n: v.cpu() for n, v in extra.items()}),
+                           nw.cpu(), 1e-6, zero_centered, residual=res0.cpu())
+        assert rel_err(out.cpu(), ref) < 1e-2
+
+
+@pytest.mark.cuda
+def test_moe_experts_kernel_norm_epilogue_graph_replay():
+    """Captured with new ids / residual between replays: the fused launch reads them on the device."""
+    g = _gen("experts-norm-graph")
+    (gate, up, down), _ = _stacks(g, 9, 512, 2048, "nvfp4w")
+    gate, up, down = (_to(s, "cuda") for s in (gate, up, down))
+    x = torch.randn(2, 2048, generator=g).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(9, generator=g)[:4] for _ in range(2)]).int().cuda()
+    w = torch.rand(2, 4, generator=g).cuda()
+    residual, nw = (v.cuda() for v in _norm_inputs(g, 2, 2048, weight_f32=False))
+    start = residual.clone()
+    graph = torch.cuda.CUDAGraph()
+    ops.moe_experts(x, ids, w, gate, up, down, residual=residual.clone(), norm_weight=nw)   # warm (smem opt-in)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = ops.moe_experts(x, ids, w, gate, up, down, residual=residual, norm_weight=nw)
+    for _ in range(2):
+        ids.copy_(torch.stack([torch.randperm(9, generator=g)[:4] for _ in range(2)]).int())
+        residual.copy_(start)
+        graph.replay()
+        res_want = start.clone()
+        want = ops.rms_norm(ops.moe_experts(x, ids, w, gate, up, down, out_dtype=torch.bfloat16), nw, 1e-6,
+                            residual=res_want)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(residual, res_want)
