@@ -1187,9 +1187,7 @@ MOE_EXPERTS_MAX_EXPERTS = 4096  # E of the stacks: the grouping kernel counts pa
 
 
 def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shared: Optional[Tensor] = None,
-                shared_gate: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-                residual: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None, norm_eps: float = 1e-6,
-                norm_zero_centered: bool = False) -> Tensor:
+                shared_gate: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """Routed SwiGLU experts as grouped GEMVs over device-side expert ids (no host sync).
 
     Args:
@@ -1207,16 +1205,11 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
         shared: optional [T, h] bf16, the shared expert's output, combined in the epilogue;
         shared_gate: [T] bf16 (any stride) shared-expert gate logits, required with shared.
         out_dtype: float32 (default without shared) or bfloat16 (the sum rounded once; the only
-            choice with shared or a norm epilogue).
-        residual, norm_weight: optional, together — a decoder layer's "hidden += moe(x);
-            normed = norm(hidden)" fused into the combine: residual [T, h] bf16 contiguous is
-            updated in place to bf16(out + residual) and the call returns rms_norm of it
-            (norm_weight [h] bf16 | f32, norm_eps, norm_zero_centered: as rms_norm). The same bits
-            as rms_norm(moe_experts(...), residual=...), one launch fewer.
+            choice with shared).
     Returns:
         float32 [T, h] = Σ_j weights[t, j] · bf16(down_e · bf16(silu(bf16(gate_e·x))·bf16(up_e·x)))
         (reference.moe_experts); with `shared`: bf16 [T, h] = bf16(that + sigmoid(shared_gate) ·
-        shared), the whole MoE block's output; with `residual`: bf16 [T, h], the normed rows.
+        shared), the whole MoE block's output.
     Example:
         >>> out = moe_experts(x, ids, w, gate_bf16, up_bf16, down_bf16)
     """
@@ -1251,18 +1244,10 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
         raise ValueError(f"{op}: ids must have 1 ≤ k ≤ 32 and T·k ≤ 65535, got T = {t}, k = {k}")
     if (shared is None) != (shared_gate is None):
         raise ValueError(f"{op}: shared and shared_gate must be given together")
-    if (residual is None) != (norm_weight is None):
-        raise ValueError(f"{op}: residual and norm_weight must be given together")
     if out_dtype is None:
-        out_dtype = torch.float32 if shared is None and residual is None else torch.bfloat16
-    if out_dtype not in (torch.float32, torch.bfloat16) or (
-            (shared is not None or residual is not None) and out_dtype != torch.bfloat16):
-        raise TypeError(f"{op}: out_dtype must be float32 or bfloat16 (bfloat16 with shared or residual), "
-                        f"got {out_dtype}")
-    if residual is not None:
-        check_tensor(op, "residual", residual, dtype=torch.bfloat16, shape=(t, h), device=x.device, contiguous=True,
-                     what="bf16 [T, h], contiguous")
-        _check_norm_weight(op, "norm_weight", norm_weight, h, x.device)
+        out_dtype = torch.float32 if shared is None else torch.bfloat16
+    if out_dtype not in (torch.float32, torch.bfloat16) or (shared is not None and out_dtype != torch.bfloat16):
+        raise TypeError(f"{op}: out_dtype must be float32 or bfloat16 (bfloat16 with shared), got {out_dtype}")
     if shared is not None:
         check_tensor(op, "shared", shared, dtype=torch.bfloat16, shape=(t, h), device=x.device, contiguous=True,
                      what="bf16 [T, h]")
@@ -1274,20 +1259,12 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
                              f"got address {x.data_ptr():#x}")
         s4 = (g[1], g[2], u[0], u[1], u[2], d[0], d[1], d[2]) if g4 else (None, None, u[0], None, None, d[0], None, None)
         # the kernel groups the pairs by expert itself (csrc/moe_experts.cu: no torch sort)
-        if residual is not None:
-            if residual.data_ptr() % 16:
-                raise ValueError(f"{op}: residual must start 16-byte aligned on CUDA, got {residual.data_ptr():#x}")
-            return torch.ops.atlas.moe_experts_norm(x, ids, weights, g[0], *s4, shared, shared_gate, residual,
-                                                    norm_weight, float(norm_eps), bool(norm_zero_centered))
         return torch.ops.atlas.moe_experts(x, ids, weights, g[0], *s4, shared, shared_gate,
                                            out_dtype == torch.bfloat16)
     out = reference.moe_experts(x, ids, weights, _dense_stack(g), _dense_stack(u), _dense_stack(d))
     if shared is not None:
         out = out + torch.sigmoid(shared_gate.float()).unsqueeze(-1) * shared.float()
-    out = out.to(out_dtype)
-    if residual is not None:
-        return reference.rms_norm(out, norm_weight, float(norm_eps), bool(norm_zero_centered), residual)
-    return out
+    return out.to(out_dtype)
 
 
 @torch.library.custom_op("atlas::moe_experts", mutates_args=())
@@ -1298,7 +1275,7 @@ def _moe_experts_kernel(x: Tensor, ids: Tensor, weights: Tensor, gate: Tensor, g
     t, h = x.shape
     out = torch.empty(t, h, dtype=torch.bfloat16 if out_bf16 else torch.float32, device=x.device)
     _C.moe_experts(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs,
-                   shared, shared_gate, out, None, None, 1e-6, False)   # scratch (groups, act, d): the binding's
+                   shared, shared_gate, out)   # scratch (groups, act, d) allocated by the binding
     return out
 
 
@@ -1306,21 +1283,3 @@ def _moe_experts_kernel(x: Tensor, ids: Tensor, weights: Tensor, gate: Tensor, g
 def _(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs, shared, shared_gate,
       out_bf16):
     return x.new_empty(x.shape, dtype=torch.bfloat16 if out_bf16 else torch.float32)
-
-
-@torch.library.custom_op("atlas::moe_experts_norm", mutates_args=("residual",))
-def _moe_experts_norm_kernel(x: Tensor, ids: Tensor, weights: Tensor, gate: Tensor, gate_scale: Optional[Tensor],
-                             gate_gs: Optional[Tensor], up: Tensor, up_scale: Optional[Tensor],
-                             up_gs: Optional[Tensor], down: Tensor, down_scale: Optional[Tensor],
-                             down_gs: Optional[Tensor], shared: Optional[Tensor], shared_gate: Optional[Tensor],
-                             residual: Tensor, norm_weight: Tensor, eps: float, zero_centered: bool) -> Tensor:
-    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    _C.moe_experts(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs,
-                   shared, shared_gate, out, residual, norm_weight, eps, zero_centered)
-    return out
-
-
-@_moe_experts_norm_kernel.register_fake
-def _(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs, shared, shared_gate,
-      residual, norm_weight, eps, zero_centered):
-    return x.new_empty(x.shape, dtype=torch.bfloat16)

@@ -128,8 +128,6 @@ def bench_parts(head: MtpHead, b: int, iters: int) -> list[dict]:
         parts["moe_experts (T·k ≤ 144: gate_up, down, combine; above: + group)"] = lambda: ffn.experts(
             fin, ids, w, path="kernel", out_dtype=torch.bfloat16)
         parts["whole ffn"] = lambda: ffn(fin)
-        parts["whole ffn + final residual + rms_norm (fused: the head's path)"] = lambda: ffn(
-            fin, residual=x, norm=(head.norm, eps, zc))
     else:
         parts["dense mlp"] = lambda: ffn(fin)
     f = ffn(fin)

@@ -612,10 +612,7 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
                  const c10::optional<torch::Tensor>& down_gs,   // [E, h, I]
                  const c10::optional<torch::Tensor>& shared,        // [T, h] bf16 or none
                  const c10::optional<torch::Tensor>& shared_gate,   // [T] bf16 (strided) or none
-                 torch::Tensor& out,            // [T, h] f32 (no shared) | bf16 (shared) (out)
-                 const c10::optional<torch::Tensor>& residual,      // [T, h] bf16 (in/out) or none:
-                 const c10::optional<torch::Tensor>& norm_weight,   // [h] bf16 | f32 — out = rms_norm(
-                 double norm_eps, bool norm_zero_centered) {        //   residual += sum), bf16
+                 torch::Tensor& out) {          // [T, h] f32 (no shared) | bf16 (shared) (out)
   CHECK_CUDA_TENSOR(x); CHECK_CONTIGUOUS(x); CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(weights);
   CHECK_CONTIGUOUS(out);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "moe_experts: x must be bf16 [T, h]");
@@ -646,20 +643,6 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
   a.out_bf16 = out.scalar_type() == torch::kBFloat16;
   if (with_shared) {
     a.shared = shared->data_ptr(); a.shared_gate = shared_gate->data_ptr(); a.shared_gate_stride = shared_gate->stride(0);
-  }
-  TORCH_CHECK(residual.has_value() == norm_weight.has_value(), "moe_experts: residual and norm_weight go together");
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->is_cuda() && residual->device() == x.device() && residual->is_contiguous() &&
-                    residual->scalar_type() == torch::kBFloat16 && residual->numel() == t * h &&
-                    out.scalar_type() == torch::kBFloat16,
-                "moe_experts: residual must be bf16 [T, h] contiguous on x's device, with a bf16 out");
-    TORCH_CHECK(norm_weight->is_cuda() && norm_weight->device() == x.device() && norm_weight->is_contiguous() &&
-                    norm_weight->numel() == h &&
-                    (norm_weight->scalar_type() == torch::kBFloat16 || norm_weight->scalar_type() == torch::kFloat),
-                "moe_experts: norm_weight must be bf16 | f32 [h] contiguous on x's device");
-    a.norm.residual = residual->data_ptr(); a.norm.weight = norm_weight->data_ptr();
-    a.norm.weight_f32 = norm_weight->scalar_type() == torch::kFloat;
-    a.norm.eps = static_cast<float>(norm_eps); a.norm.zero_centered = norm_zero_centered;
   }
   a.num_tokens = t; a.top_k = static_cast<int>(k); a.num_experts = static_cast<int>(gate.size(0));
   a.hidden = static_cast<int>(h); a.inter = static_cast<int>(inter);
@@ -695,7 +678,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sigmoid_gate_mul", &sigmoid_gate_mul, "out = x * sigmoid(gate), bf16 [T,H,hd], gate strided");
   m.def("argmax", &argmax, "logits [R,V] bf16|f32 -> ids int64 [R] (lowest index wins), top-1 softmax prob f32 [R]");
   m.def("moe_route", &moe_route, "router logits [T,E] -> top-k expert ids int32 [T,k], f32 softmax weights [T,k]");
-  m.def("moe_experts", &moe_experts, "routed SwiGLU experts over device ids [T,k] (bf16|nvfp4 stacks), grouped by expert on the device -> f32|bf16 [T,h]; optional fused residual add + RMSNorm");
+  m.def("moe_experts", &moe_experts, "routed SwiGLU experts over device ids [T,k] (bf16|nvfp4 stacks), grouped by expert on the device -> f32|bf16 [T,h]");
   m.def("embedding_norm_concat", &embedding_norm_concat, "MTP fc input [rmsnorm(embed[ids]) | rmsnorm(hidden)] -> bf16 [T,2h]");
   m.def("embedding", &embedding, "table [V,h] bf16 rows by device ids [T] -> [T,h] bf16 (bad id -> zero row)");
   // ---- small fused kernels for layers (norm, rope, gating, argmax, moe; insert defs above this line) ----

@@ -61,9 +61,6 @@
 //      (C = 32). Of a record's MT n8 tiles ceil(rows/8) are live (warp-uniform branch).
 //   4. combine: grid (ceil(h / 1024), T), 128 threads × 8 columns: out[t] = Σ_j in slot order
 //      (skipping out-of-range ids) + the shared-expert term; 8 slots' row loads in flight at once.
-//      With the norm epilogue (MoeExpertsArgs::norm: a decoder layer's residual add + RMSNorm):
-//      grid T, rms_norm_threads(h) threads, the same fold per 8 columns feeding
-//      common/rms_norm_row.cuh — the bits of this combine then rms_norm, one launch fewer.
 //
 // Grouped GEMV (2, 3) per job and 128-k chunk (K = h for gate_up, I for down):
 //   A tile: lane (g = lane/4, t = lane%4) holds rows g and g+8 of its warp's tile and the 32
@@ -153,7 +150,6 @@
 #include "common/checks.h"
 #include "common/nvfp4_mma.cuh"
 #include "common/pdl.cuh"
-#include "common/rms_norm_row.cuh"
 #include "common/prefetch.cuh"
 #include "moe_experts.h"
 #include "w4a16_gemv.h"
@@ -857,26 +853,44 @@ constexpr int kCombineThreads = 128;
 constexpr int kCombineVec = 8;   // columns per thread (one 16-byte load per slot)
 constexpr int kCombineBatch = 8;   // slots whose loads are in flight together
 
-// What every combine does before the wait: slot j's weight and whether its id is in range (its
-// d row written) into shared memory — ids and weights come from ops before moe_experts, complete
-// before this grid launched (header: PDL). The caller synchronizes before reading them.
-__device__ __forceinline__ void combine_slots(const int32_t* ids, const float* weights, int64_t t, int top_k,
-                                              int num_experts, float* w_s, bool* valid_s) {
+// grid (ceil(h / (8·128)), T): out[t, n .. n+8] = Σ_j weights[t, j] · d[t·k + j, n .. n+8] over
+// the in-range slots in order (f32 fmaf), then the shared-expert term or the output rounding.
+__global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(
+    const __nv_bfloat16* __restrict__ d,       // [T·k, h]
+    const int32_t* __restrict__ ids,           // [T, k]
+    const float* __restrict__ weights,         // [T, k]
+    const __nv_bfloat16* __restrict__ shared,        // [T, h] or nullptr
+    const __nv_bfloat16* __restrict__ shared_gate,   // [T] (stride shared_gate_stride)
+    int64_t shared_gate_stride,
+    bool out_bf16,
+    void* __restrict__ out,                    // [T, h] f32 | bf16 (shared or out_bf16)
+    int top_k, int num_experts, int hidden) {
+  __shared__ float w_s[kMoeExpertsMaxTopK];      // weight of slot j
+  __shared__ bool valid_s[kMoeExpertsMaxTopK];   // ids[t, j] in [0, E): d row written
+  const int64_t t = blockIdx.y;
+  const int n0 = (blockIdx.x * kCombineThreads + threadIdx.x) * kCombineVec;
+  const int64_t o = t * hidden + n0;
+  // ids, weights and the shared-expert inputs come from ops before moe_experts, complete before
+  // this grid launched (header: PDL): read before the wait, so only d's round trip follows it
   if (threadIdx.x < top_k) {
     const int e = ids[t * top_k + threadIdx.x];
     valid_s[threadIdx.x] = e >= 0 && e < num_experts;
     w_s[threadIdx.x] = weights[t * top_k + threadIdx.x];
   }
-}
-
-// acc[0 .. 8) = Σ_j w_s[j] · d_t[j·h + 0 .. 8] over the in-range slots in order (f32 fmaf), d_t
-// pointing at column n0 of token t's first slot row. kCombineBatch slots' rows in flight at a
-// time: every in-range slot's row is loaded (a skipped slot's is unwritten workspace, read but
-// never used), then folded in slot order.
-__device__ __forceinline__ void combine_fold(const __nv_bfloat16* d_t, int hidden, int top_k, const float* w_s,
-                                             const bool* valid_s, float (&acc)[kCombineVec]) {
+  float shared_term[kCombineVec] = {};   // sigmoid(shared_gate[t]) · shared[t, n0 .. n0+8]
+  if (shared != nullptr && n0 < hidden) {   // element loads: `shared` may be any contiguous bf16 view
+    const float sg = __bfloat162float(shared_gate[t * shared_gate_stride]);
 #pragma unroll
-  for (int i = 0; i < kCombineVec; ++i) acc[i] = 0.f;
+    for (int i = 0; i < kCombineVec; ++i) shared_term[i] = __bfloat162float(shared[o + i]) / (1.0f + expf(-sg));
+  }
+  pdl_wait();                  // d comes from the down kernel
+  pdl_launch_dependents();
+  __syncthreads();
+  if (n0 >= hidden) return;
+  // 8 slots' rows in flight at a time: every in-range slot's row is loaded (a skipped slot's is
+  // unwritten workspace, read but never used), then folded in slot order
+  float acc[kCombineVec] = {};
+  const __nv_bfloat16* d_t = d + t * top_k * hidden + n0;
   for (int j0 = 0; j0 < top_k; j0 += kCombineBatch) {
     uint4 v[kCombineBatch];
 #pragma unroll
@@ -895,43 +909,6 @@ __device__ __forceinline__ void combine_fold(const __nv_bfloat16* d_t, int hidde
       }
     }
   }
-}
-
-// The shared expert's term of 8 columns: sigmoid(gate) · shared, as f32 (element loads: `shared`
-// may be any contiguous bf16 view).
-__device__ __forceinline__ void shared_term8(const __nv_bfloat16* shared_row, float gate_logit, float (&term)[kCombineVec]) {
-#pragma unroll
-  for (int i = 0; i < kCombineVec; ++i) term[i] = __bfloat162float(shared_row[i]) / (1.0f + expf(-gate_logit));
-}
-
-// grid (ceil(h / (8·128)), T): out[t, n .. n+8] = Σ_j weights[t, j] · d[t·k + j, n .. n+8] over
-// the in-range slots in order (f32 fmaf), then the shared-expert term or the output rounding.
-__global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(
-    const __nv_bfloat16* __restrict__ d,       // [T·k, h]
-    const int32_t* __restrict__ ids,           // [T, k]
-    const float* __restrict__ weights,         // [T, k]
-    const __nv_bfloat16* __restrict__ shared,        // [T, h] or nullptr
-    const __nv_bfloat16* __restrict__ shared_gate,   // [T] (stride shared_gate_stride)
-    int64_t shared_gate_stride,
-    bool out_bf16,
-    void* __restrict__ out,                    // [T, h] f32 | bf16 (shared or out_bf16)
-    int top_k, int num_experts, int hidden) {
-  __shared__ float w_s[kMoeExpertsMaxTopK];      // weight of slot j
-  __shared__ bool valid_s[kMoeExpertsMaxTopK];   // ids[t, j] in [0, E): d row written
-  const int64_t t = blockIdx.y;
-  const int n0 = (blockIdx.x * kCombineThreads + threadIdx.x) * kCombineVec;
-  const int64_t o = t * hidden + n0;
-  // the routing and shared-expert inputs before the wait, so only d's round trip follows it
-  combine_slots(ids, weights, t, top_k, num_experts, w_s, valid_s);
-  float shared_term[kCombineVec] = {};   // sigmoid(shared_gate[t]) · shared[t, n0 .. n0+8]
-  if (shared != nullptr && n0 < hidden)
-    shared_term8(shared + o, __bfloat162float(shared_gate[t * shared_gate_stride]), shared_term);
-  pdl_wait();                  // d comes from the down kernel
-  pdl_launch_dependents();
-  __syncthreads();
-  if (n0 >= hidden) return;
-  float acc[kCombineVec];
-  combine_fold(d + t * top_k * hidden + n0, hidden, top_k, w_s, valid_s, acc);
   if (shared != nullptr) {
     __align__(16) __nv_bfloat16 r[kCombineVec];
 #pragma unroll
@@ -947,45 +924,6 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(
     dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
     dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
   }
-}
-
-// The combine with a decoder layer's residual add and RMSNorm fused (MoeExpertsArgs::norm), one
-// CTA of rms_norm_threads(h) threads per token: thread i folds the slots of its 8-column vectors
-// v = i, i + blockDim, … exactly as moe_combine_kernel (then bf16, with the shared term when
-// given), and common/rms_norm_row.cuh takes it from there — the bits of moe_combine_kernel
-// (bf16 out) followed by rms_norm with a residual, one launch and the out round trip fewer.
-__global__ void __launch_bounds__(kRmsMaxThreads) moe_combine_norm_kernel(
-    const __nv_bfloat16* __restrict__ d,       // [T·k, h]
-    const int32_t* __restrict__ ids,           // [T, k]
-    const float* __restrict__ weights,         // [T, k]
-    const __nv_bfloat16* __restrict__ shared,        // [T, h] or nullptr
-    const __nv_bfloat16* __restrict__ shared_gate,   // [T] (stride shared_gate_stride)
-    int64_t shared_gate_stride,
-    const MoeNormEpilogue norm,                // residual [T, h] (in/out), weight [h]
-    __nv_bfloat16* __restrict__ out,           // [T, h] bf16: the normed rows
-    int top_k, int num_experts, int hidden) {
-  __shared__ float w_s[kMoeExpertsMaxTopK];
-  __shared__ bool valid_s[kMoeExpertsMaxTopK];
-  __shared__ float red[kRmsMaxThreads / 32];
-  const int64_t t = blockIdx.x;
-  combine_slots(ids, weights, t, top_k, num_experts, w_s, valid_s);
-  const float sg = shared != nullptr ? __bfloat162float(shared_gate[t * shared_gate_stride]) : 0.f;
-  pdl_wait();                  // d comes from the down kernel; residual from before moe_experts
-  pdl_launch_dependents();
-  __syncthreads();
-  const __nv_bfloat16* d_t = d + t * top_k * hidden;
-  auto load_x = [&](int64_t v, float* f) {     // the combined row's vector v, rounded to bf16
-    const int n0 = static_cast<int>(v) * kCombineVec;
-    float acc[kCombineVec], term[kCombineVec] = {};
-    combine_fold(d_t + n0, hidden, top_k, w_s, valid_s, acc);
-    if (shared != nullptr) shared_term8(shared + t * hidden + n0, sg, term);
-#pragma unroll
-    for (int i = 0; i < kCombineVec; ++i)
-      f[i] = __bfloat162float(__float2bfloat16(shared != nullptr ? acc[i] + term[i] : acc[i]));
-  };
-  uint4* res = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(norm.residual) + t * hidden);
-  rms_norm_row(load_x, res, reinterpret_cast<uint4*>(out + t * hidden), hidden / kRmsVec, hidden, norm.weight,
-               norm.weight_f32, norm.zero_centered, norm.eps, red);
 }
 
 
@@ -1025,15 +963,8 @@ cudaError_t launch_grouped_gemv(const GroupedGemv& p, int jobs_bound, cudaStream
   return launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), static_cast<size_t>(smem), stream, p);
 }
 
-// 4. out[t] = Σ_j weights[t, j] · d[t·k + j] (+ the shared-expert term) (+ residual, RMSNorm).
+// 4. out[t] = Σ_j weights[t, j] · d[t·k + j] (+ the shared-expert term).
 cudaError_t launch_combine(const MoeExpertsArgs& a, const __nv_bfloat16* d, cudaStream_t stream) {
-  if (a.norm.residual != nullptr) {
-    return launch_pdl(moe_combine_norm_kernel, dim3(static_cast<unsigned>(a.num_tokens)),
-                      dim3(rms_norm_threads(a.hidden)), 0, stream, d, a.ids, a.weights,
-                      static_cast<const __nv_bfloat16*>(a.shared), static_cast<const __nv_bfloat16*>(a.shared_gate),
-                      a.shared_gate_stride, a.norm, static_cast<__nv_bfloat16*>(a.out), a.top_k, a.num_experts,
-                      a.hidden);
-  }
   return launch_pdl(moe_combine_kernel,
                     dim3(static_cast<unsigned>(ceil_div(a.hidden, kCombineThreads * kCombineVec)),
                          static_cast<unsigned>(a.num_tokens)),
@@ -1158,9 +1089,7 @@ size_t moe_experts_workspace_bytes(int64_t num_tokens, int top_k, int num_expert
 cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
   if (!sizes_ok(a.num_tokens, a.top_k, a.num_experts, a.hidden, a.inter) || a.x == nullptr || a.ids == nullptr ||
       a.weights == nullptr || a.workspace == nullptr || a.out == nullptr ||
-      (a.shared != nullptr && a.shared_gate == nullptr) || (a.gemv_words && !a.nvfp4) ||
-      (a.norm.residual != nullptr && (a.norm.weight == nullptr || !(a.out_bf16 || a.shared != nullptr) ||
-                                      reinterpret_cast<uintptr_t>(a.norm.residual) % 16 != 0))) {
+      (a.shared != nullptr && a.shared_gate == nullptr) || (a.gemv_words && !a.nvfp4)) {
     return cudaErrorInvalidValue;
   }
   auto aligned = [](const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };

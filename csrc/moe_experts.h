@@ -19,16 +19,6 @@ constexpr int kMoeExpertsMaxTopK = 32;
 constexpr int kMoeExpertsMaxExperts = 4096;   // E of the stacks: the grouping kernel's counters live in smem
 constexpr int64_t kMoeExpertsMaxPairs = 65535;  // T·k
 
-// Optional epilogue: a decoder layer's "hidden += moe(x); normed = rms_norm(hidden)" fused into
-// the combine (csrc/rms_norm.cu's bits: h = bf16(out + residual) → residual, then the norm of h).
-struct MoeNormEpilogue {
-  void* residual = nullptr;    // [T, h] bf16 contiguous, 16-byte aligned, in/out; nullptr: no epilogue
-  const void* weight = nullptr;   // [h] bf16 | f32 (weight_f32)
-  bool weight_f32 = false;
-  bool zero_centered = false;  // w = 1 + weight
-  float eps = 1e-6f;
-};
-
 struct MoeExpertsArgs {
   const void* x;          // [T, h] bf16, contiguous
   const int32_t* ids;     // [T, k] expert ids in [0, E) (others: that pair contributes 0)
@@ -49,8 +39,6 @@ struct MoeExpertsArgs {
   void* out;              // shared == nullptr: [T, h] f32 | bf16 (out_bf16) = Σ_j weights[t, j] ·
                           //   bf16(down_e · act)
                           // else: [T, h] bf16 = bf16(that + sigmoid(shared_gate[t]) · shared[t])
-                          // with norm.residual: [T, h] bf16 = rms_norm(residual += that sum)
-  MoeNormEpilogue norm;   // (out bf16: out_bf16 or shared)
   int64_t num_tokens;     // T ≥ 1, T·k ≤ kMoeExpertsMaxPairs
   int top_k;              // k, 1..kMoeExpertsMaxTopK
   int num_experts;        // E, 1..kMoeExpertsMaxExperts

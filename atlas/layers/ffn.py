@@ -43,20 +43,6 @@ from atlas.nvfp4 import dequantize_expert_stack, expert_words_for_gemv
 
 SILU_FUSE_MAX_K = 4096   # down-projection K up to which a multi-row step fuses silu·up (_fuse_silu)
 
-NormSpec = tuple  # (weight [h] bf16 | f32, eps, zero_centered): an RMSNorm after the FFN (_then_norm)
-
-
-def _then_norm(out: Tensor, residual: Tensor | None, norm: NormSpec | None) -> Tensor:
-    """out [T, h] bf16, or with residual [T, h] bf16 and norm (weight, eps, zero_centered): a
-    decoder layer's "hidden += ffn(x); normed = norm(hidden)" — residual updated in place, the
-    normed rows returned (ops.rms_norm with a residual)."""
-    if (residual is None) != (norm is None):
-        raise ValueError("ffn: residual and norm must be given together")
-    if residual is None:
-        return out
-    weight, eps, zero_centered = norm
-    return ops.rms_norm(out, weight, eps, zero_centered, residual=residual)
-
 
 def _need(sd: Mapping[str, Tensor], key: str) -> Tensor:
     if key not in sd:
@@ -109,14 +95,13 @@ class DenseMLP:
     def nbytes(self) -> int:
         return sum(_nbytes(p) for p in (self.gate_proj, self.up_proj, self.down_proj))
 
-    def __call__(self, x: Tensor, *, residual: Tensor | None = None, norm: NormSpec | None = None) -> Tensor:
-        """x [T, h] bf16 → [T, h] bf16; with residual / norm: see _then_norm."""
+    def __call__(self, x: Tensor) -> Tensor:
         if self.fused and x.shape[0] <= GEMV_MAX_ROWS:
             g, u = ops.w4a16_gemv_dual(x, self.gate_proj.weight, self.up_proj.weight)
             if self._fuse_silu(x.shape[0]):
-                return _then_norm(ops.w4a16_gemv_silu(g, u, self.down_proj.weight), residual, norm)
-            return _then_norm(ops.w4a16_gemv(silu_mul(g, u), self.down_proj.weight), residual, norm)  # the same bits
-        return _then_norm(self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x))), residual, norm)
+                return ops.w4a16_gemv_silu(g, u, self.down_proj.weight)
+            return ops.w4a16_gemv(silu_mul(g, u), self.down_proj.weight)     # the same bits
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
     def _fuse_silu(self, t: int) -> bool:
         """Whether down takes silu(g)·u on its load (w4a16_gemv_silu) for a T-row step. Measured
@@ -252,27 +237,20 @@ class ExpertBank:
 
     def __call__(self, x: Tensor, ids: Tensor, weights: Tensor, *, path: str | None = None,
                  chunk: int = 32, shared: Tensor | None = None, shared_gate: Tensor | None = None,
-                 out_dtype: torch.dtype | None = None, residual: Tensor | None = None,
-                 norm: NormSpec | None = None) -> Tensor:
+                 out_dtype: torch.dtype | None = None) -> Tensor:
         """→ float32 [T, h] (path "kernel": out_dtype bf16 rounds the sum once instead); path
         "kernel" with shared [T, h] bf16 and shared_gate [T] bf16 logits: bf16 [T, h] =
         bf16(routed + sigmoid(shared_gate) · shared) (ops.moe_experts). ids may name expert E
-        (the shared slot) when the stacks hold it (has_shared_slot). Path "kernel" with residual
-        and norm (weight, eps, zero_centered): bf16 [T, h] = rms_norm(residual += that bf16 sum),
-        fused into the combine (ops.moe_experts)."""
+        (the shared slot) when the stacks hold it (has_shared_slot)."""
         t, k = ids.shape
         if path is None:
             path = self._default_path(x, t, k)
-        if (residual is None) != (norm is None):
-            raise ValueError("ExpertBank: residual and norm must be given together")
         if path == "kernel":
             pick = (lambda s: s.t) if self.gate.format == "nvfp4" else (lambda s: s.t[0])  # noqa: E731
-            nw, eps, zc = norm if norm is not None else (None, 1e-6, False)
             return ops.moe_experts(x, ids, weights, pick(self.gate), pick(self.up), pick(self.down),
-                                   shared=shared, shared_gate=shared_gate, out_dtype=out_dtype,
-                                   residual=residual, norm_weight=nw, norm_eps=eps, norm_zero_centered=zc)
-        if shared is not None or residual is not None:
-            raise ValueError("ExpertBank: shared / shared_gate and residual / norm are fused on the 'kernel' path only")
+                                   shared=shared, shared_gate=shared_gate, out_dtype=out_dtype)
+        if shared is not None:
+            raise ValueError("ExpertBank: shared / shared_gate are fused on the 'kernel' path only")
         if path == "gather":
             return self._gather(x, ids, weights)
         if path == "dense":
@@ -389,10 +367,7 @@ class SparseMoE:
         logits = self.gate_logits(x) if logits is None else logits
         return ops.moe_route(logits[:, :self.num_experts], self.top_k, self.renormalize)
 
-    def __call__(self, x: Tensor, *, path: str | None = None, residual: Tensor | None = None,
-                 norm: NormSpec | None = None) -> Tensor:
-        """x [T, h] bf16 → [T, h] bf16; with residual / norm: see _then_norm (on the kernel path
-        fused into moe_experts' combine)."""
+    def __call__(self, x: Tensor, *, path: str | None = None) -> Tensor:
         t = x.shape[0]
         logits = self.gate_logits(x)
         path = path or self.experts._default_path(x, t, self.top_k)
@@ -400,19 +375,18 @@ class SparseMoE:
             # shared expert = slot k of every row: 6 launches for the whole block (router GEMV,
             # moe_route, moe_experts' three or four kernels)
             ids, w = ops.moe_route(logits, self.top_k, self.renormalize, shared_slot=True)
-            return self.experts(x, ids, w, path=path, out_dtype=torch.bfloat16, residual=residual, norm=norm)
+            return self.experts(x, ids, w, path=path, out_dtype=torch.bfloat16)
         ids, w = self.route(x, logits)
         if path == "kernel" and self.shared is not None and self.shared_gate is not None:
             # routed experts + sigmoid(gate)·shared expert combined in moe_experts' epilogue
-            return self.experts(x, ids, w, path=path, shared=self.shared(x), shared_gate=logits[:, self.num_experts],
-                                residual=residual, norm=norm)
+            return self.experts(x, ids, w, path=path, shared=self.shared(x), shared_gate=logits[:, self.num_experts])
         out = self.experts(x, ids, w, path=path)                           # [T, h] f32
         if self.shared is not None:
             s = self.shared(x).float()
             if self.shared_gate is not None:
                 s = s * torch.sigmoid(logits[:, self.num_experts:].float())   # [T, 1] gate
             out = out + s
-        return _then_norm(out.to(torch.bfloat16), residual, norm)
+        return out.to(torch.bfloat16)
 
 
 def build_ffn(cfg, state_dict, prefix: str, weight_format: str, device):

@@ -252,9 +252,8 @@ class MtpHead:
             return None
         a = self.attn(rms(x, self.input_layernorm), meta, self.cache, 0)
         # residual adds fused into the next norm: x ← bf16(x + a), then the norm of that x
-        # x ← bf16(x + ffn(·)), normed = norm(x): fused into moe_experts' combine on its kernel path
-        normed = self.ffn(ops.rms_norm(a, self.post_attention_layernorm, self.eps, self.zero_centered, residual=x),
-                          residual=x, norm=(self.norm, self.eps, self.zero_centered))
+        f = self.ffn(ops.rms_norm(a, self.post_attention_layernorm, self.eps, self.zero_centered, residual=x))
+        normed = ops.rms_norm(f, self.norm, self.eps, self.zero_centered, residual=x)     # x ← bf16(x + f)
         return self.logits(normed), normed
 
     def logits(self, normed: Tensor) -> Tensor:
