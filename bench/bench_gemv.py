@@ -176,12 +176,16 @@ def plot(rows, path):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 shapes, M = 1 and 8, no variants")
+    parser.add_argument("--m", type=int, nargs="+", help="these M only (results/gemv_m<M…>.md, no variants)")
     args = parser.parse_args()
     require_kernels("bench_gemv")
     shapes = [s for s in SHAPES if (s[0], s[1]) in QUICK] if args.quick else SHAPES
-    rows_m = [1, 8] if args.quick else ROWS_M
+    rows_m = args.m or ([1, 8] if args.quick else ROWS_M)
     iters = 5 if args.quick else 20
     rows = bench_shapes(shapes, rows_m, iters)
+    if args.m:
+        write_results("gemv_m" + "_".join(map(str, args.m)), rows, meta=dict(timing="as gemv.md"))
+        return
     write_results("gemv", rows, meta=dict(
         timing="CUDA-graph replay, median per call; weights rotated over ≥ 8 copies (> 200 MB) where they fit",
         targets="M=1: ≥3x cuBLAS (BF16 ≥ 4 MB), ≤2.5 µs below; ≥0.85 copy bw at ≥40 MB; M=8 ≤1.25x M=1; M=32 ≤2.5x"))

@@ -86,6 +86,12 @@
 //         of 2 per SM (launch_w4a16_gemv): the activation bytes each CTA re-reads from L2
 //         (K_cta × M × 2 per 64 rows) were ≈ 45% of the weight bytes at M = 8 (bench/NOTES.md,
 //         session 17).
+//   M = 2..32, plain, tiled weights (v4, w4a16_gemv_xres_kernel): where the launch has more
+//         16-row tiles than SMs and x [8·MT, K] fits in shared memory, one persistent CTA per SM
+//         stages x whole once and runs the one-row kernel's per-warp rings with MT n8 tiles, the
+//         K segments split over warps and summed in segment order (the same bits). Session 23
+//         bench_gemv: M = 32 35B q+gate 19.6 → 10.4 µs, 35B LM head 148.9 → 137.0; M = 8 27B
+//         q+gate+k+v 20.0 → 15.9, gate_up 39.3 → 32.2, 35B q+gate 8.8 → 6.0 (bench/NOTES.md).
 //   tails: rows ≥ n (the one-row kernel: they read row n − 1 instead) and (generic path) k ≥ K
 //         are zero-filled by cp.async; K % 128 == 0 with
 //         16-byte-aligned rows takes the vector path, any K % 16 == 0 the generic one.
@@ -937,6 +943,251 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   }
 }
 
+// ---- the x-resident kernel (v4: M = 2..32, plain activations, tiled weights) ----------------
+// Decode of a small batch and the MTP head's batched drafts: the staged kernel above re-copies
+// the activation chunk of every 128-k step into every CTA (the 35B-A3B LM head at M = 32: 1940
+// CTAs × 128 KB of x through L2 → shared, ≈ 250 MB, as much as the weights), waits at a CTA
+// barrier per chunk, and for short N spreads K over 8-CTA clusters (35B q+gate at M = 32: 512
+// CTAs of 2 chunks each and a DSMEM reduction, 19 µs for 9.4 MB). Here the one-row kernel's
+// structure carries all M rows:
+//   - one CTA per SM (persistent over row groups: group blockIdx.x, + gridDim.x, …) stages x
+//     [M, K] bf16 whole, once (≤ 8·MT·K·2 B: K ≤ 2560 at M = 32, 5120 at 16, 10240 at 8), with
+//     cp.async into the staged kernel's swizzled B-fragment rows ([chunk][8·MT rows][256 B],
+//     bf16_unit_slot), rows ≥ M never written (they feed only unstored mma columns);
+//   - warp w computes 16-row tile slot w / S of the current group over K span w % S (S =
+//     plan.warp_splits warps per tile, each over segs / S consecutive segments of
+//     w4a16_gemv_k_splits(K)), streaming its weight chunks through a private kStagesM1-deep
+//     cp.async ring synced by __syncwarp() only; the ring keeps streaming across groups (the
+//     next group's first chunks are in flight during this group's epilogue);
+//   - S = 1: the warp walks every segment keeping the running sum (done += segment partial) and
+//     stores from its registers; S > 1: each warp's segment partials → shared memory, a named
+//     barrier per tile slot (S·32 threads), and 0 + p_0 + p_1 + … in segment order, summed by
+//     the slot's warps element by element — the cluster's and the one-row kernel's order, so a
+//     row is bitwise the same as in every other path (and for every M: mma columns are
+//     independent).
+// Per chunk and warp: 8 words dequantized (as M = 1) and 8 · MT mma (MT n8 tiles of x rows);
+// the B fragment of word w, n8 tile mt is one conflict-free 16-byte shared load.
+// Floor: as the GEMV (weight + scale bytes / copy bandwidth) plus x's L2 → shared trip
+// (8·MT·K·2 B per SM, ≈ 0.5–1 µs at M = 32, K = 2048) and, at M = 32, the mma issue:
+// 2·M·N·K / ≈ 610 TFLOP/s (mma.sync bf16 on the H200: bench/wgmma_probe) — 35B LM head 53 µs,
+// under its 68 µs of weight stream.
+constexpr int kXresMaxWarps = 16;       // MT ≥ 2: 512 threads, ≤ 128 registers
+constexpr int kXresMaxWarpsMt1 = 24;    // MT = 1: 768 threads, ≤ 85 registers (79, no spill)
+constexpr int kXresWideWarpsMt1 = 28;   // MT = 1, the wide instance: ≤ 73 registers (12 B of spill,
+                                        // ≈ 2% on the 27B o at M = 8: only for plans of > 24 warps)
+constexpr int kXresMaxSlots = 15;       // named barriers 1..15 (0 is __syncthreads)
+constexpr int kXresMinWarps = 12;       // fewer leave an SM latency-bound (plan_xres; session 23:
+                                        // 27B o at M = 16 with 8 warps × 3 rounds, 15.8 µs vs 15.3)
+
+struct XresLayout {
+  int x_off;      // [chunks][8·MT rows][256 B] activations, swizzled units (bf16_unit_slot)
+  int ring_off;   // [W][kStagesM1][16 rows × 64 B packed | 16 rows × 8 B scales]
+  int part_off;   // S > 1: [W][spw · 4·MT][32 lanes] f32 segment partials
+  int bytes;
+};
+__host__ __device__ inline XresLayout xres_layout(int mt, int chunks, int warps, int warp_splits, int segs_per_warp) {
+  XresLayout l;
+  l.x_off = 0;
+  l.ring_off = chunks * mt * 8 * kXRowBytes;
+  l.part_off = l.ring_off + warps * kStagesM1 * kWarpStageBytes;
+  l.bytes = l.part_off + (warp_splits > 1 ? warps * segs_per_warp * 4 * mt * 32 * 4 : 0);
+  return l;
+}
+
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// grid (CTAs ≤ SMs), block W = S · P warps (P = tile slots per group, a group = 16·P rows of one
+// weight; dual: weight 0's groups, then weight 1's). plan.segs_per_cta = segments per warp.
+// kMaxWarps: the launch bound (xres_max_warps).
+__host__ __device__ constexpr int xres_max_warps(int mt, bool wide) {
+  return mt > 1 ? kXresMaxWarps : wide ? kXresWideWarpsMt1 : kXresMaxWarpsMt1;
+}
+template <int MT, bool kWide = false>
+__global__ void __launch_bounds__(xres_max_warps(MT, kWide) * 32, 1)
+w4a16_gemv_xres_kernel(const __grid_constant__ W4A16GemvArgs args,
+                       int groups0,            // row groups of weight 0
+                       int groups,             // row groups of both weights
+                       SplitPlan plan) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int kRows = 8 * MT;           // staged activation rows per chunk
+  constexpr int kElems = 4 * MT;          // accumulator elements per lane
+  const int tid = threadIdx.x, nthreads = blockDim.x, warps = nthreads / 32, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int S = plan.warp_splits, spw = plan.segs_per_cta;
+  const int P = warps / S, slot = warp / S, q = warp % S;
+  const int K = args.k, M = args.m, num_chunks = K / kChunkK;
+  const int span = plan.seg_chunks * spw;
+  const int wc_begin = min(q * span, num_chunks);
+  const int chunks = min(wc_begin + span, num_chunks) - wc_begin;   // this warp's, per group
+  const XresLayout lay = xres_layout(MT, num_chunks, warps, S, spw);
+  const uint32_t smem_base = smem_u32(smem);
+
+  // Group gi → its weight and this warp's tile row.
+  auto locate = [&](int gi, int& wi, int& row) {
+    wi = gi < groups0 ? 0 : 1;
+    row = (gi - (wi ? groups0 : 0)) * P * kTileN + slot * kTileN;
+  };
+
+  // ---- the warp's copy stream: chunks wc_begin .. + chunks of group blockIdx.x, then of group
+  // + gridDim.x, … (pieces as the one-row kernel's; rows ≥ n read row n − 1: real memory).
+  // A chunk step of the scales is 1/8 of the packed one in both layouts (8 vs 64 B per row).
+  const uint8_t* w_src[2];
+  const uint8_t* s_src;
+  int step = 0;                                               // packed bytes per chunk
+  int i_group = chunks > 0 ? blockIdx.x : groups, i_cc = 0;   // the next chunk to issue
+  auto plan_group = [&](int gi) {
+    int wi, row;
+    locate(gi, wi, row);
+    const W4A16GemvWeight& wt = args.w[wi];
+    int64_t off = 0;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int p = lane + 32 * j;
+      row_plan(wt, K, wc_begin, min(row + (p >> 2), wt.n - 1), kRowBytes, off, step);
+      w_src[j] = wt.packed + off + (p & 3) * 16;
+    }
+    int s_step = 0;
+    row_plan(wt, K, wc_begin, min(row + lane % kTileN, wt.n - 1), kScaleBytes, off, s_step);
+    s_src = wt.block_scale + off;
+  };
+  if (i_group < groups) plan_group(i_group);
+  const bool s_issuer = lane < kTileN;
+  auto issue_next = [&](uint32_t st) {
+    if (i_group >= groups) return;
+    cp_async16(st + lane * 16, w_src[0]);
+    cp_async16(st + (lane + 32) * 16, w_src[1]);
+    if (s_issuer) cp_async8(st + kTileN * kRowBytes + lane * kScaleBytes, s_src);
+    w_src[0] += step;
+    w_src[1] += step;
+    s_src += step >> 3;
+    if (++i_cc == chunks) {
+      i_cc = 0;
+      i_group += gridDim.x;
+      if (i_group < groups) plan_group(i_group);
+    }
+  };
+  const uint32_t ring = smem_base + lay.ring_off + warp * kStagesM1 * kWarpStageBytes;
+  const uint32_t ring_end = ring + kStagesM1 * kWarpStageBytes;
+
+  // ---- prologue: L2 prefetch of the warp's first chunks before the previous kernel is waited
+  // for (weights are constants); then x (cp.async, group 0) and the ring's first chunks.
+  if (i_group < groups) {
+#pragma unroll
+    for (int p = 0; p < kStagesM1 - 1; ++p) {
+      if (p < plan.prefetch_chunks && p < chunks) {
+        prefetch_l2(w_src[0] + p * step);
+        prefetch_l2(w_src[1] + p * step);
+        if (s_issuer) prefetch_l2(s_src + p * (step >> 3));
+      }
+    }
+  }
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x and out are now safe
+  {
+    const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(args.x);   // [M, K]
+    const int row_units = num_chunks * kXUnits;                            // 16-byte units per row
+    for (int i = tid; i < M * row_units; i += nthreads) {
+      const int r = i / row_units, u = i - r * row_units, c = u >> 4, uu = u & (kXUnits - 1);
+      cp_async16(smem_base + lay.x_off + (c * kRows + r) * kXRowBytes + bf16_unit_slot(r, uu) * 16,
+                 x + static_cast<int64_t>(r) * K + 8 * u);
+    }
+    cp_async_commit();
+  }
+#pragma unroll
+  for (int p = 0; p < kStagesM1 - 1; ++p) {
+    issue_next(ring + p * kWarpStageBytes);
+    cp_async_commit();
+  }
+  cp_async_wait<kStagesM1 - 1>();   // this thread's x copies landed
+  __syncthreads();                  // … and everyone's
+
+  // The lane's fragment offsets: weight row g (+ 8 rows: mma_chunk), its scale pair, and x row
+  // g's unit 4t + w (n8 tile mt: + 8·mt rows, the same swizzle parity).
+  const uint32_t lane_w = g * kRowBytes + t * 16;
+  const uint32_t lane_s = kTileN * kRowBytes + g * kScaleBytes + 2 * t;
+  int lane_x[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) lane_x[w] = g * kXRowBytes + bf16_unit_slot(g, 4 * t + w) * 16;
+  const uint8_t* xs = smem + lay.x_off + wc_begin * kRows * kXRowBytes;
+  const uint8_t* ring_ptr = smem + (ring - smem_base);
+  float* part = reinterpret_cast<float*>(smem + lay.part_off);
+  uint32_t cur = ring, fill = ring + (kStagesM1 - 1) * kWarpStageBytes;
+
+  for (int gi = blockIdx.x; gi < groups; gi += gridDim.x) {
+    SegmentSums<MT> sums;
+    int cc = 0;
+    for (int seg_end = min(plan.seg_chunks, chunks);; seg_end = min(seg_end + plan.seg_chunks, chunks)) {
+      for (; cc < seg_end; ++cc) {
+        cp_async_wait<kStagesM1 - 2>();   // chunk cc (this lane's pieces) landed
+        __syncwarp();                     // … every lane's; the warp is done with chunk cc − 1's stage
+        issue_next(fill);
+        cp_async_commit();
+        const uint8_t* st = ring_ptr + (cur - ring);
+        const uint8_t* xc = xs + cc * kRows * kXRowBytes;
+        auto xfrag = [&](int w, int mt) {
+          return *reinterpret_cast<const uint4*>(xc + mt * 8 * kXRowBytes + lane_x[w]);
+        };
+        mma_chunk<MT, true>(sums.acc, st + lane_w, st + lane_s, xfrag);
+        fill = cur;
+        cur = cur + kWarpStageBytes == ring_end ? ring : cur + kWarpStageBytes;
+      }
+      sums.finish_segment(S, plan);
+      if (cc >= chunks) break;
+    }
+    if (gi + static_cast<int>(gridDim.x) >= groups) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+    int wi, row;
+    locate(gi, wi, row);
+    const W4A16GemvWeight& wt = args.w[wi];
+    const float factor = __ldg(wt.global_scale) * kOutBias;
+    if (S == 1) {   // the running sum over every segment (empty trailing ones add +0, as store_rows)
+      const bool empty_tail = sums.finished < plan.num_segs;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int m = mt * 8 + 2 * t + (e & 1), n = row + g + 8 * (e >> 1);
+          const float d = sums.done[mt][e];
+          if (m < M && n < wt.n) store_out(wt, args.out_dtype, m, n, (empty_tail ? d + 0.0f : d) * factor);
+        }
+      }
+      continue;
+    }
+    // S > 1: partials [warp][spw · kElems][lane], then element j of the slot's lanes summed over
+    // its S warps in segment order by warp j % S.
+    float* pw = part + warp * spw * kElems * 32;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = mt * 4 + e;
+        if (spw == 2) {
+          pw[j * 32 + lane] = sums.done[mt][e];
+          pw[(kElems + j) * 32 + lane] = sums.acc[mt][e];
+        } else {
+          pw[j * 32 + lane] = sums.acc[mt][e];
+        }
+      }
+    }
+    named_barrier(1 + slot, S * 32);
+    const float* ps = part + slot * S * spw * kElems * 32;
+    for (int j = q; j < kElems; j += S) {
+      const int mt = j >> 2, e = j & 3;
+      const int m = mt * 8 + 2 * t + (e & 1), n = row + g + 8 * (e >> 1);
+      float a = 0.0f;
+      for (int qq = 0; qq < S; ++qq) {
+        const float* pq = ps + qq * spw * kElems * 32;
+        a += pq[j * 32 + lane];
+        if (spw == 2) a += pq[(kElems + j) * 32 + lane];
+      }
+      if (m < M && n < wt.n) store_out(wt, args.out_dtype, m, n, a * factor);
+    }
+    named_barrier(1 + slot, S * 32);   // the slot's partials are read before the next group's
+  }
+  cp_async_wait<0>();
+}
+
 // Split-K partials in shared memory (store_rows) for a launch of `splits` CTAs per row group.
 int partial_bytes(dim3 grid, const SplitPlan& plan, int tiles, int mt) {
   return (grid.x > 1 ? plan.segs_per_cta : 0) * tiles * kTileN * mt * 8 * static_cast<int>(sizeof(float));
@@ -1092,6 +1343,95 @@ cudaError_t launch_mt(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, in
   }
 }
 
+// The x-resident kernel's launch (v4), or warps = 0 where it does not apply: M = 2..32, plain
+// activations, every weight tiled, not expert-indexed, more tiles than SMs, x [8·MT, K] whole in
+// shared memory beside the rings. S (warps per tile) ∈ {1, segs / 2, segs} and P (tile slots per
+// group) minimize the busiest CTA's time in chunk steps: rounds × (span + e) × max(V, W) — a
+// warp's serial chain (span chunks per group, + e = 1 for the partials' exchange when S > 1)
+// times the SM's share when its W warps are more than V (24 at MT = 1, 16 above) can overlap;
+// at least kXresMinWarps warps. Session 23 (bench_gemv, M = 8) fits the work term: 27B gate_up
+// 6 rounds × 24 warps × 5 chunks 32.0 µs vs 3 × 28 × 10 38.2; q+gate+k+v 3 × 24 × 5 19.7 vs
+// 1 × 28 × 10 16.2; LM heads 5 rounds of 24 vs 28 warps (16 chunks) 77.2 vs 91.5 (35B). Ties:
+// the shorter chain, then more CTAs, then more warps. Not when fewer than half the SMs get a CTA.
+struct XresPlan {
+  int warps = 0, warp_splits = 1, segs_per_warp = 1, groups0 = 0, groups = 0, ctas = 0, smem = 0;
+};
+XresPlan plan_xres(const W4A16GemvArgs& a, int segs, int seg_chunks, int sms, int smem_limit) {
+  XresPlan best;
+  const int mt = ceil_div(a.m, 8), chunks = a.k / kChunkK;
+  const int max_warps = xres_max_warps(mt, true);
+  int tiles = 0;
+  for (int i = 0; i < a.num_weights; ++i) tiles += ceil_div(a.w[i].n, kTileN);
+  // More tiles than SMs only: with one tile or less per SM, every CTA would stage all of x for
+  // a single tile, where the staged kernel's clusters stage only their K range each (session 23,
+  // bench_gemv at M = 32: shared expert 4.02 → 5.91 µs, expert gate_up 4.93 → 5.93, expert down
+  // 5.79 → 6.12; at M = 8, 35B o 5.23 → 6.01, shared expert 3.30 → 3.44).
+  if (tiles <= sms) return best;
+  int64_t best_cost = INT64_MAX, best_chain = INT64_MAX;
+  const int overlap = xres_max_warps(mt, false);   // warps an SM overlaps (24 | 16)
+  for (const int s : {1, segs / 2, segs}) {
+    if (s < 1 || (s > 1 && segs / s > 2) || s > max_warps || (s == segs / 2 && s == segs)) continue;
+    const int spw = segs / s, span = std::min(spw * seg_chunks, chunks), e = s > 1 ? 1 : 0;
+    const int p_max = std::min(max_warps / s, s > 1 ? kXresMaxSlots : max_warps);
+    for (int p = 1; p <= p_max; ++p) {
+      const int smem = xres_layout(mt, chunks, s * p, s, spw).bytes;
+      if (smem > smem_limit) break;
+      int groups0 = ceil_div(a.w[0].n, p * kTileN), groups = groups0;
+      if (a.num_weights == 2) groups += ceil_div(a.w[1].n, p * kTileN);
+      const int ctas = std::min(groups, sms), rounds = ceil_div(groups, ctas);
+      if (2 * ctas < sms) continue;   // half the SMs idle: the staged kernel's clusters use them all
+      const int64_t chain = static_cast<int64_t>(rounds) * (span + e);
+      const int64_t cost = chain * std::max(overlap, s * p);
+      if (s * p < kXresMinWarps) continue;
+      const bool tie_break = chain < best_chain || (chain == best_chain && (ctas > best.ctas ||
+                                                                         (ctas == best.ctas && s * p > best.warps)));
+      if (cost < best_cost || (cost == best_cost && tie_break)) {
+        best_cost = cost;
+        best_chain = chain;
+        best.warps = s * p;
+        best.warp_splits = s;
+        best.segs_per_warp = spw;
+        best.groups0 = groups0;
+        best.groups = groups;
+        best.ctas = ctas;
+        best.smem = smem;
+      }
+    }
+  }
+  return best;
+}
+
+template <int MT, bool kWide = false>
+cudaError_t launch_xres(const W4A16GemvArgs& a, const XresPlan& xp, SplitPlan plan, cudaStream_t stream) {
+  if constexpr (MT == 1 && !kWide) {
+    if (xp.warps > kXresMaxWarpsMt1) return launch_xres<1, true>(a, xp, plan, stream);
+  }
+  static int opted_in[kMaxDevices] = {};
+  auto kernel = w4a16_gemv_xres_kernel<MT, kWide>;
+  int dev = 0;
+  ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (xp.smem > 48 * 1024 && xp.smem > opted_in[dev]) {
+    ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xp.smem));
+    opted_in[dev] = xp.smem;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(xp.ctas);
+  cfg.blockDim = dim3(xp.warps * 32);
+  cfg.dynamicSmemBytes = xp.smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, a, xp.groups0, xp.groups, plan) == cudaSuccess) return cudaSuccess;
+  (void)cudaGetLastError();   // clear the refusal
+  cfg.numAttrs = 0;
+  ATLAS_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a, xp.groups0, xp.groups, plan));
+  return last_launch_error();
+}
+
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 }  // namespace
@@ -1178,6 +1518,20 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   for (int i = 0; i < a.num_weights; ++i) tiles += ceil_div(a.w[i].n, kTileN);
   if (indexed) tiles *= a.slots.count;
   const int sms = sm_count[dev];
+  if (a.m > 1 && !raw && vec && !indexed && a.w[0].tiled) {   // the x-resident kernel where x fits (v4)
+    const XresPlan xp = plan_xres(a, segs, seg_chunks, sms, sm_smem[dev] - cta_smem_reserved[dev]);
+    if (xp.warps > 0) {
+      SplitPlan plan{seg_chunks, xp.segs_per_warp, segs};
+      plan.warp_splits = xp.warp_splits;
+      plan.prefetch_chunks = kStagesM1 - 1;
+      switch (ceil_div(a.m, 8)) {
+        case 1: return launch_xres<1>(a, xp, plan, stream);
+        case 2: return launch_xres<2>(a, xp, plan, stream);
+        case 3: return launch_xres<3>(a, xp, plan, stream);
+        default: return launch_xres<4>(a, xp, plan, stream);
+      }
+    }
+  }
   // The staged kernel's tiles per warp (kTpwMinTilesPerSm): two at M > 16, except plain
   // activations over fewer than 2 tiles per SM, where halving the warp work items costs more.
   // Splits: the fewest giving ≥ min_ctas_per_sm CTAs per SM — 3 at one tile per warp, 2 at two

@@ -600,12 +600,13 @@ def test_gemv_word_bits_dequant_cpu():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("n,k", [(1, 128), (17, 256), (100, 2048), (2048, 512), (33, 4096), (1024, 5120),
-                                 (248077, 256)])
-@pytest.mark.parametrize("m", [1, 5, 32])
+                                 (248077, 256), (8192, 2048), (5120, 6144), (1024, 1152)])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16, 17, 32])
 def test_tiled_layout_matches_reference(n, k, m):
     """Every GEMV variant on the tiled layout matches the reference (plain bf16 / f32, an n_rows
     prefix — bitwise the full call's columns — dual with a tiled or a checkpoint partner, silu
-    and gated). Since v3.17 the tiled words pair k-adjacent codes, so the tiled and checkpoint
+    and gated; M = 2..32 plain on the tiled layout is the x-resident kernel wherever x fits:
+    one warp over all of K, two segments per warp or one). Since v3.17 the tiled words pair k-adjacent codes, so the tiled and checkpoint
     layouts group a row's products into different k16 steps: equal within f32 rounding, not
     bitwise (each layout is batch invariant on its own: test_batch_invariance)."""
     q, x = _cuda_case(n, k, m, key=("tiled", n, k))
