@@ -92,6 +92,8 @@
 //         K segments split over warps and summed in segment order (the same bits). Session 23
 //         bench_gemv: M = 32 35B q+gate 19.6 → 10.4 µs, 35B LM head 148.9 → 137.0; M = 8 27B
 //         q+gate+k+v 20.0 → 15.9, gate_up 39.3 → 32.2, 35B q+gate 8.8 → 6.0 (bench/NOTES.md).
+//         v4.1: where x does not fit, K shares over a 2- or 4-CTA cluster (M = 32 27B
+//         q+gate+k+v 42.2 → 32.4 µs, M = 16 27B o 15.2 → 12.6, down 29.5 → 25.7).
 //   tails: rows ≥ n (the one-row kernel: they read row n − 1 instead) and (generic path) k ≥ K
 //         are zero-filled by cp.async; K % 128 == 0 with
 //         16-byte-aligned rows takes the vector path, any K % 16 == 0 the generic one.
@@ -115,7 +117,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <type_traits>
+#include <vector>
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -950,7 +954,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
 // barrier per chunk, and for short N spreads K over 8-CTA clusters (35B q+gate at M = 32: 512
 // CTAs of 2 chunks each and a DSMEM reduction, 19 µs for 9.4 MB). Here the one-row kernel's
 // structure carries all M rows:
-//   - one CTA per SM (persistent over row groups: group blockIdx.x, + gridDim.x, …) stages x
+//   - one CTA per SM (persistent over row groups: CTA c takes groups c, c + CTAs, …) stages x
 //     [M, K] bf16 whole, once (≤ 8·MT·K·2 B: K ≤ 2560 at M = 32, 5120 at 16, 10240 at 8), with
 //     cp.async into the staged kernel's swizzled B-fragment rows ([chunk][8·MT rows][256 B],
 //     bf16_unit_slot), rows ≥ M never written (they feed only unstored mma columns);
@@ -965,6 +969,10 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
 //     the slot's warps element by element — the cluster's and the one-row kernel's order, so a
 //     row is bitwise the same as in every other path (and for every M: mma columns are
 //     independent).
+//   - v4.1, x too large for one SM (M ≥ 9 at K ≥ 5120): a cluster of C = 2 or 4 CTAs per row
+//     group, rank r staging and computing only its K share (segs / C segments); the partials of
+//     all ranks are summed in segment order (rank-major) through distributed shared memory, with
+//     two cluster barriers per group — so only where a CTA has ≤ 2 groups (kXresMaxClusterRounds).
 // Per chunk and warp: 8 words dequantized (as M = 1) and 8 · MT mma (MT n8 tiles of x rows);
 // the B fragment of word w, n8 tile mt is one conflict-free 16-byte shared load.
 // Floor: as the GEMV (weight + scale bytes / copy bandwidth) plus x's L2 → shared trip
@@ -976,21 +984,26 @@ constexpr int kXresMaxWarpsMt1 = 24;    // MT = 1: 768 threads, ≤ 85 registers
 constexpr int kXresWideWarpsMt1 = 28;   // MT = 1, the wide instance: ≤ 73 registers (12 B of spill,
                                         // ≈ 2% on the 27B o at M = 8: only for plans of > 24 warps)
 constexpr int kXresMaxSlots = 15;       // named barriers 1..15 (0 is __syncthreads)
+constexpr int kXresMaxCluster = 4;      // K shares of x over a cluster's CTAs (x too large for one)
+constexpr int kXresMaxClusterRounds = 2;   // two cluster barriers per round: session 23 (M = 32, 4 ranks)
+                                           // 27B q+gate+k+v 2 rounds 42.2 → 32.4 µs, but gate_up 5 rounds
+                                           // 68.1 → 77.4 and the 27B LM head 30 rounds 367 → 498
 constexpr int kXresMinWarps = 12;       // fewer leave an SM latency-bound (plan_xres; session 23:
                                         // 27B o at M = 16 with 8 warps × 3 rounds, 15.8 µs vs 15.3)
 
 struct XresLayout {
   int x_off;      // [chunks][8·MT rows][256 B] activations, swizzled units (bf16_unit_slot)
   int ring_off;   // [W][kStagesM1][16 rows × 64 B packed | 16 rows × 8 B scales]
-  int part_off;   // S > 1: [W][spw · 4·MT][32 lanes] f32 segment partials
+  int part_off;   // S · C > 1: [W][spw · 4·MT][32 lanes] f32 segment partials
   int bytes;
 };
-__host__ __device__ inline XresLayout xres_layout(int mt, int chunks, int warps, int warp_splits, int segs_per_warp) {
+// chunks: the K chunks one CTA stages; producers: partial sums per tile (S · C; 1 = running sum).
+__host__ __device__ inline XresLayout xres_layout(int mt, int chunks, int warps, int producers, int segs_per_warp) {
   XresLayout l;
   l.x_off = 0;
   l.ring_off = chunks * mt * 8 * kXRowBytes;
   l.part_off = l.ring_off + warps * kStagesM1 * kWarpStageBytes;
-  l.bytes = l.part_off + (warp_splits > 1 ? warps * segs_per_warp * 4 * mt * 32 * 4 : 0);
+  l.bytes = l.part_off + (producers > 1 ? warps * segs_per_warp * 4 * mt * 32 * 4 : 0);
   return l;
 }
 
@@ -1004,7 +1017,9 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
 __host__ __device__ constexpr int xres_max_warps(int mt, bool wide) {
   return mt > 1 ? kXresMaxWarps : wide ? kXresWideWarpsMt1 : kXresMaxWarpsMt1;
 }
-template <int MT, bool kWide = false>
+// kCluster (MT ≥ 2 only): launched in clusters of C CTAs, each staging its K share of x (a
+// template flag, so the cluster-free instances keep their registers: 126 vs 128 + spill at MT 4).
+template <int MT, bool kWide = false, bool kCluster = false>
 __global__ void __launch_bounds__(xres_max_warps(MT, kWide) * 32, 1)
 w4a16_gemv_xres_kernel(const __grid_constant__ W4A16GemvArgs args,
                        int groups0,            // row groups of weight 0
@@ -1018,10 +1033,16 @@ w4a16_gemv_xres_kernel(const __grid_constant__ W4A16GemvArgs args,
   const int S = plan.warp_splits, spw = plan.segs_per_cta;
   const int P = warps / S, slot = warp / S, q = warp % S;
   const int K = args.k, M = args.m, num_chunks = K / kChunkK;
-  const int span = plan.seg_chunks * spw;
-  const int wc_begin = min(q * span, num_chunks);
+  // Cluster of C CTAs (C = 1 without one): rank r holds K chunks [r·cta_span, (r + 1)·cta_span).
+  cg::cluster_group cluster = cg::this_cluster();
+  const int C = kCluster ? static_cast<int>(cluster.num_blocks()) : 1;
+  const int rank = kCluster ? static_cast<int>(cluster.block_rank()) : 0;
+  const int span = plan.seg_chunks * spw, cta_span = S * span;
+  const int cta_begin = min(rank * cta_span, num_chunks), cta_chunks = min(cta_begin + cta_span, num_chunks) - cta_begin;
+  const int wc_begin = min(cta_begin + q * span, num_chunks);
   const int chunks = min(wc_begin + span, num_chunks) - wc_begin;   // this warp's, per group
-  const XresLayout lay = xres_layout(MT, num_chunks, warps, S, spw);
+  const int cid = blockIdx.x / C, clusters = gridDim.x / C;          // groups cid, cid + clusters, …
+  const XresLayout lay = xres_layout(MT, C > 1 ? cta_span : num_chunks, warps, S * C, spw);
   const uint32_t smem_base = smem_u32(smem);
 
   // Group gi → its weight and this warp's tile row.
@@ -1036,7 +1057,7 @@ w4a16_gemv_xres_kernel(const __grid_constant__ W4A16GemvArgs args,
   const uint8_t* w_src[2];
   const uint8_t* s_src;
   int step = 0;                                               // packed bytes per chunk
-  int i_group = chunks > 0 ? blockIdx.x : groups, i_cc = 0;   // the next chunk to issue
+  int i_group = chunks > 0 ? cid : groups, i_cc = 0;          // the next chunk to issue
   auto plan_group = [&](int gi) {
     int wi, row;
     locate(gi, wi, row);
@@ -1064,7 +1085,7 @@ w4a16_gemv_xres_kernel(const __grid_constant__ W4A16GemvArgs args,
     s_src += step >> 3;
     if (++i_cc == chunks) {
       i_cc = 0;
-      i_group += gridDim.x;
+      i_group += clusters;
       if (i_group < groups) plan_group(i_group);
     }
   };
@@ -1085,8 +1106,8 @@ w4a16_gemv_xres_kernel(const __grid_constant__ W4A16GemvArgs args,
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x and out are now safe
   {
-    const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(args.x);   // [M, K]
-    const int row_units = num_chunks * kXUnits;                            // 16-byte units per row
+    const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(args.x) + cta_begin * kChunkK;   // [M, K]
+    const int row_units = cta_chunks * kXUnits;                            // 16-byte units per row
     for (int i = tid; i < M * row_units; i += nthreads) {
       const int r = i / row_units, u = i - r * row_units, c = u >> 4, uu = u & (kXUnits - 1);
       cp_async16(smem_base + lay.x_off + (c * kRows + r) * kXRowBytes + bf16_unit_slot(r, uu) * 16,
@@ -1109,12 +1130,12 @@ w4a16_gemv_xres_kernel(const __grid_constant__ W4A16GemvArgs args,
   int lane_x[4];
 #pragma unroll
   for (int w = 0; w < 4; ++w) lane_x[w] = g * kXRowBytes + bf16_unit_slot(g, 4 * t + w) * 16;
-  const uint8_t* xs = smem + lay.x_off + wc_begin * kRows * kXRowBytes;
+  const uint8_t* xs = smem + lay.x_off + (wc_begin - cta_begin) * kRows * kXRowBytes;
   const uint8_t* ring_ptr = smem + (ring - smem_base);
   float* part = reinterpret_cast<float*>(smem + lay.part_off);
   uint32_t cur = ring, fill = ring + (kStagesM1 - 1) * kWarpStageBytes;
 
-  for (int gi = blockIdx.x; gi < groups; gi += gridDim.x) {
+  for (int gi = cid; gi < groups; gi += clusters) {
     SegmentSums<MT> sums;
     int cc = 0;
     for (int seg_end = min(plan.seg_chunks, chunks);; seg_end = min(seg_end + plan.seg_chunks, chunks)) {
@@ -1132,16 +1153,16 @@ w4a16_gemv_xres_kernel(const __grid_constant__ W4A16GemvArgs args,
         fill = cur;
         cur = cur + kWarpStageBytes == ring_end ? ring : cur + kWarpStageBytes;
       }
-      sums.finish_segment(S, plan);
+      sums.finish_segment(S * C, plan);   // S · C = 1: the running sum
       if (cc >= chunks) break;
     }
-    if (gi + static_cast<int>(gridDim.x) >= groups) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if (gi + clusters >= groups) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
     int wi, row;
     locate(gi, wi, row);
     const W4A16GemvWeight& wt = args.w[wi];
     const float factor = __ldg(wt.global_scale) * kOutBias;
-    if (S == 1) {   // the running sum over every segment (empty trailing ones add +0, as store_rows)
+    if (S == 1 && C == 1) {   // the running sum over every segment (empty trailing ones add +0, as store_rows)
       const bool empty_tail = sums.finished < plan.num_segs;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -1154,8 +1175,9 @@ w4a16_gemv_xres_kernel(const __grid_constant__ W4A16GemvArgs args,
       }
       continue;
     }
-    // S > 1: partials [warp][spw · kElems][lane], then element j of the slot's lanes summed over
-    // its S warps in segment order by warp j % S.
+    // S > 1 (or C > 1): partials [warp][spw · kElems][lane], then element j of the slot's lanes
+    // summed over the C ranks' S warps in segment order (rank-major) by rank and warp j % (C·S),
+    // reading the other ranks' partials through distributed shared memory.
     float* pw = part + warp * spw * kElems * 32;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -1170,20 +1192,26 @@ w4a16_gemv_xres_kernel(const __grid_constant__ W4A16GemvArgs args,
         }
       }
     }
-    named_barrier(1 + slot, S * 32);
-    const float* ps = part + slot * S * spw * kElems * 32;
-    for (int j = q; j < kElems; j += S) {
+    if (C == 1) named_barrier(1 + slot, S * 32);
+    else cluster.sync();
+    const int slot_off = slot * S * spw * kElems * 32;
+    for (int j = rank * S + q; j < kElems; j += C * S) {
       const int mt = j >> 2, e = j & 3;
       const int m = mt * 8 + 2 * t + (e & 1), n = row + g + 8 * (e >> 1);
       float a = 0.0f;
-      for (int qq = 0; qq < S; ++qq) {
-        const float* pq = ps + qq * spw * kElems * 32;
-        a += pq[j * 32 + lane];
-        if (spw == 2) a += pq[(kElems + j) * 32 + lane];
+      for (int rr = 0; rr < C; ++rr) {
+        const float* ps = (C == 1 ? part : cluster.map_shared_rank(part, rr)) + slot_off;
+        for (int qq = 0; qq < S; ++qq) {
+          const float* pq = ps + qq * spw * kElems * 32;
+          a += pq[j * 32 + lane];
+          if (spw == 2) a += pq[(kElems + j) * 32 + lane];
+        }
       }
       if (m < M && n < wt.n) store_out(wt, args.out_dtype, m, n, a * factor);
     }
-    named_barrier(1 + slot, S * 32);   // the slot's partials are read before the next group's
+    // The partials are read before the next group's (and, in a cluster, before any rank exits).
+    if (C == 1) named_barrier(1 + slot, S * 32);
+    else cluster.sync();
   }
   cp_async_wait<0>();
 }
@@ -1354,7 +1382,7 @@ cudaError_t launch_mt(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, in
 // 1 × 28 × 10 16.2; LM heads 5 rounds of 24 vs 28 warps (16 chunks) 77.2 vs 91.5 (35B). Ties:
 // the shorter chain, then more CTAs, then more warps. Not when fewer than half the SMs get a CTA.
 struct XresPlan {
-  int warps = 0, warp_splits = 1, segs_per_warp = 1, groups0 = 0, groups = 0, ctas = 0, smem = 0;
+  int warps = 0, warp_splits = 1, segs_per_warp = 1, cluster = 1, groups0 = 0, groups = 0, ctas = 0, smem = 0;
 };
 XresPlan plan_xres(const W4A16GemvArgs& a, int segs, int seg_chunks, int sms, int smem_limit) {
   XresPlan best;
@@ -1369,45 +1397,91 @@ XresPlan plan_xres(const W4A16GemvArgs& a, int segs, int seg_chunks, int sms, in
   if (tiles <= sms) return best;
   int64_t best_cost = INT64_MAX, best_chain = INT64_MAX;
   const int overlap = xres_max_warps(mt, false);   // warps an SM overlaps (24 | 16)
-  for (const int s : {1, segs / 2, segs}) {
-    if (s < 1 || (s > 1 && segs / s > 2) || s > max_warps || (s == segs / 2 && s == segs)) continue;
-    const int spw = segs / s, span = std::min(spw * seg_chunks, chunks), e = s > 1 ? 1 : 0;
-    const int p_max = std::min(max_warps / s, s > 1 ? kXresMaxSlots : max_warps);
-    for (int p = 1; p <= p_max; ++p) {
-      const int smem = xres_layout(mt, chunks, s * p, s, spw).bytes;
-      if (smem > smem_limit) break;
-      int groups0 = ceil_div(a.w[0].n, p * kTileN), groups = groups0;
-      if (a.num_weights == 2) groups += ceil_div(a.w[1].n, p * kTileN);
-      const int ctas = std::min(groups, sms), rounds = ceil_div(groups, ctas);
-      if (2 * ctas < sms) continue;   // half the SMs idle: the staged kernel's clusters use them all
-      const int64_t chain = static_cast<int64_t>(rounds) * (span + e);
-      const int64_t cost = chain * std::max(overlap, s * p);
-      if (s * p < kXresMinWarps) continue;
-      const bool tie_break = chain < best_chain || (chain == best_chain && (ctas > best.ctas ||
-                                                                         (ctas == best.ctas && s * p > best.warps)));
-      if (cost < best_cost || (cost == best_cost && tie_break)) {
-        best_cost = cost;
-        best_chain = chain;
-        best.warps = s * p;
-        best.warp_splits = s;
-        best.segs_per_warp = spw;
-        best.groups0 = groups0;
-        best.groups = groups;
-        best.ctas = ctas;
-        best.smem = smem;
+  // C = 1 (no cluster) wherever x fits; else the cheapest of C = 2, 4 ranks, each staging its K
+  // share (M ≤ 8 never clusters: x fits for K ≤ 13k).
+  for (int c = 1; c <= (mt > 1 ? kXresMaxCluster : 1) && c <= segs && !(c > 1 && best.cluster == 1 && best.warps > 0);
+       c *= 2) {
+    for (const int spw_try : {0, 2, 1}) {   // 0: one warp over all of K (C = 1 only)
+      const int spw = spw_try == 0 ? segs : spw_try;
+      if ((spw_try == 0 && c > 1) || (spw_try != 0 && (segs / c) % spw != 0) || (spw_try == 2 && segs == 2 && c == 1)) continue;
+      const int s = segs / (c * spw);   // warps per tile
+      if (s < 1 || s > max_warps) continue;
+      const int span = std::min(spw * seg_chunks, chunks), e = s * c > 1 ? (c > 1 ? 2 : 1) : 0;
+      const int p_max = std::min(max_warps / s, c == 1 && s > 1 ? kXresMaxSlots : max_warps);   // named barriers
+      for (int p = 1; p <= p_max; ++p) {
+        const int smem = xres_layout(mt, c > 1 ? s * spw * seg_chunks : chunks, s * p, s * c, spw).bytes;
+        if (smem > smem_limit) break;
+        int groups0 = ceil_div(a.w[0].n, p * kTileN), groups = groups0;
+        if (a.num_weights == 2) groups += ceil_div(a.w[1].n, p * kTileN);
+        const int clusters = std::min(groups, sms / c), rounds = ceil_div(groups, clusters);
+        if (2 * clusters * c < sms) continue;   // half the SMs idle: the staged kernel's clusters use them all
+        if (c > 1 && rounds > kXresMaxClusterRounds) continue;
+        const int64_t chain = static_cast<int64_t>(rounds) * (span + e);
+        const int64_t cost = chain * std::max(overlap, s * p);
+        if (s * p < kXresMinWarps) continue;
+        const bool tie_break = chain < best_chain || (chain == best_chain && (clusters * c > best.ctas ||
+                                                                           (clusters * c == best.ctas && s * p > best.warps)));
+        if (cost < best_cost || (cost == best_cost && tie_break)) {
+          best_cost = cost;
+          best_chain = chain;
+          best.warps = s * p;
+          best.warp_splits = s;
+          best.segs_per_warp = spw;
+          best.cluster = c;
+          best.groups0 = groups0;
+          best.groups = groups;
+          best.ctas = clusters * c;
+          best.smem = smem;
+        }
       }
     }
   }
   return best;
 }
 
-template <int MT, bool kWide = false>
+// Clusters of xp.cluster CTAs of `kernel` that fit the device at once (cudaOccupancyMaxActiveClusters),
+// cached per device and launch shape: a host query, made once per shape (normally eager).
+template <typename Kernel>
+int max_active_clusters(Kernel kernel, int dev, const XresPlan& xp) {
+  struct Entry { const void* fn; int dev, cluster, warps, smem, clusters; };
+  static std::mutex mu;
+  static std::vector<Entry> cache;
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Entry& e : cache) {
+    if (e.fn == fn && e.dev == dev && e.cluster == xp.cluster && e.warps == xp.warps && e.smem == xp.smem) return e.clusters;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(xp.ctas);
+  cfg.blockDim = dim3(xp.warps * 32);
+  cfg.dynamicSmemBytes = xp.smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = xp.cluster;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    clusters = 0;
+  }
+  cache.push_back({fn, dev, xp.cluster, xp.warps, xp.smem, clusters});
+  return clusters;
+}
+
+template <int MT, bool kWide = false, bool kCluster = false>
 cudaError_t launch_xres(const W4A16GemvArgs& a, const XresPlan& xp, SplitPlan plan, cudaStream_t stream) {
   if constexpr (MT == 1 && !kWide) {
     if (xp.warps > kXresMaxWarpsMt1) return launch_xres<1, true>(a, xp, plan, stream);
   }
+  if constexpr (MT > 1 && !kCluster) {
+    if (xp.cluster > 1) return launch_xres<MT, false, true>(a, xp, plan, stream);
+  }
+  if (xp.cluster > 1 && !kCluster) return cudaErrorInvalidValue;
   static int opted_in[kMaxDevices] = {};
-  auto kernel = w4a16_gemv_xres_kernel<MT, kWide>;
+  auto kernel = w4a16_gemv_xres_kernel<MT, kWide, kCluster>;
   int dev = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
   if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
@@ -1420,14 +1494,27 @@ cudaError_t launch_xres(const W4A16GemvArgs& a, const XresPlan& xp, SplitPlan pl
   cfg.blockDim = dim3(xp.warps * 32);
   cfg.dynamicSmemBytes = xp.smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  if constexpr (kCluster) {   // persistent clusters: no more than fit at once (a GPC's SMs hold whole clusters)
+    const int clusters = std::min(xp.ctas / xp.cluster, max_active_clusters(kernel, dev, xp));
+    if (clusters < 1) return cudaErrorInvalidConfiguration;
+    cfg.gridDim = dim3(clusters * xp.cluster);
+  }
+  cudaLaunchAttribute attr[2];
+  int num_attrs = 0;
+  if (xp.cluster > 1) {   // the K shares of one row group
+    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attr[num_attrs].val.clusterDim.x = xp.cluster;
+    attr[num_attrs].val.clusterDim.y = 1;
+    attr[num_attrs].val.clusterDim.z = 1;
+    ++num_attrs;
+  }
+  attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = num_attrs + 1;
   if (cudaLaunchKernelEx(&cfg, kernel, a, xp.groups0, xp.groups, plan) == cudaSuccess) return cudaSuccess;
   (void)cudaGetLastError();   // clear the refusal
-  cfg.numAttrs = 0;
+  cfg.numAttrs = num_attrs;
   ATLAS_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a, xp.groups0, xp.groups, plan));
   return last_launch_error();
 }
