@@ -1221,45 +1221,57 @@ int partial_bytes(dim3 grid, const SplitPlan& plan, int tiles, int mt) {
   return (grid.x > 1 ? plan.segs_per_cta : 0) * tiles * kTileN * mt * 8 * static_cast<int>(sizeof(float));
 }
 
-// One launch of a GEMV kernel: cluster of the S splits, programmatic dependent launch (a plain
-// launch where refused), the dynamic shared memory opted in above 48 KB once per device and
-// kernel (`opted_in`: the first call is normally eager; later ones, e.g. under graph capture,
-// make no attribute call).
+// The device's id, and `kernel`'s dynamic shared memory opted in above 48 KB once per device
+// (`opted_in`: the first call is normally eager; later ones, e.g. under graph capture, make no
+// attribute call).
 template <typename Kernel>
-cudaError_t launch_kernel(Kernel kernel, int (&opted_in)[kMaxDevices], const W4A16GemvArgs& a, dim3 grid,
-                          int warps, int groups0, SplitPlan plan, int smem, cudaStream_t stream) {
-  int dev = 0;
+cudaError_t prepare_launch(Kernel kernel, int (&opted_in)[kMaxDevices], int smem, int& dev) {
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
   if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
   if (smem > 48 * 1024 && smem > opted_in[dev]) {
     ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     opted_in[dev] = smem;
   }
+  return cudaSuccess;
+}
+
+// cfg's launch in clusters of `cluster` CTAs along x (1: none) with programmatic dependent launch
+// — the prologue's weight loads overlap the previous kernel's tail (the kernel waits for it
+// before touching activations or outputs) — or a plain launch where that is refused.
+template <typename Kernel, typename... Args>
+cudaError_t launch_pdl(cudaLaunchConfig_t cfg, int cluster, Kernel kernel, Args... args) {
+  cudaLaunchAttribute attr[2];
+  int num_attrs = 0;
+  if (cluster > 1) {
+    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attr[num_attrs].val.clusterDim.x = cluster;
+    attr[num_attrs].val.clusterDim.y = 1;
+    attr[num_attrs].val.clusterDim.z = 1;
+    ++num_attrs;
+  }
+  attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = num_attrs + 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return cudaSuccess;
+  (void)cudaGetLastError();           // clear the refusal
+  cfg.numAttrs = num_attrs;
+  ATLAS_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, args...));
+  return last_launch_error();
+}
+
+// One launch of a GEMV kernel (staged or one-row): the S splits of a row group form a cluster.
+template <typename Kernel>
+cudaError_t launch_kernel(Kernel kernel, int (&opted_in)[kMaxDevices], const W4A16GemvArgs& a, dim3 grid,
+                          int warps, int groups0, SplitPlan plan, int smem, cudaStream_t stream) {
+  int dev = 0;
+  ATLAS_RETURN_IF_ERROR(prepare_launch(kernel, opted_in, smem, dev));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(warps * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  int num_attrs = 0;
-  if (grid.x > 1) {                   // the S splits of one row group form a cluster
-    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
-    attr[num_attrs].val.clusterDim.x = grid.x;
-    attr[num_attrs].val.clusterDim.y = 1;
-    attr[num_attrs].val.clusterDim.z = 1;
-    ++num_attrs;
-  }
-  // Programmatic dependent launch: the prologue's weight loads overlap the previous kernel's
-  // tail (the kernel waits for it before touching activations or outputs).
-  attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = num_attrs + 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, a, groups0, plan) == cudaSuccess) return cudaSuccess;
-  (void)cudaGetLastError();           // clear the refusal
-  cfg.numAttrs = num_attrs;
-  ATLAS_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a, groups0, plan));
-  return last_launch_error();
+  return launch_pdl(cfg, static_cast<int>(grid.x), kernel, a, groups0, plan);
 }
 
 template <int MT, bool kVec, bool kTiled, GemvAct kAct, int TPW, int kMinBlocks = 0>
@@ -1483,12 +1495,7 @@ cudaError_t launch_xres(const W4A16GemvArgs& a, const XresPlan& xp, SplitPlan pl
   static int opted_in[kMaxDevices] = {};
   auto kernel = w4a16_gemv_xres_kernel<MT, kWide, kCluster>;
   int dev = 0;
-  ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
-  if (xp.smem > 48 * 1024 && xp.smem > opted_in[dev]) {
-    ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, xp.smem));
-    opted_in[dev] = xp.smem;
-  }
+  ATLAS_RETURN_IF_ERROR(prepare_launch(kernel, opted_in, xp.smem, dev));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(xp.ctas);
   cfg.blockDim = dim3(xp.warps * 32);
@@ -1499,24 +1506,7 @@ cudaError_t launch_xres(const W4A16GemvArgs& a, const XresPlan& xp, SplitPlan pl
     if (clusters < 1) return cudaErrorInvalidConfiguration;
     cfg.gridDim = dim3(clusters * xp.cluster);
   }
-  cudaLaunchAttribute attr[2];
-  int num_attrs = 0;
-  if (xp.cluster > 1) {   // the K shares of one row group
-    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
-    attr[num_attrs].val.clusterDim.x = xp.cluster;
-    attr[num_attrs].val.clusterDim.y = 1;
-    attr[num_attrs].val.clusterDim.z = 1;
-    ++num_attrs;
-  }
-  attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = num_attrs + 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, a, xp.groups0, xp.groups, plan) == cudaSuccess) return cudaSuccess;
-  (void)cudaGetLastError();   // clear the refusal
-  cfg.numAttrs = num_attrs;
-  ATLAS_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a, xp.groups0, xp.groups, plan));
-  return last_launch_error();
+  return launch_pdl(cfg, xp.cluster, kernel, a, xp.groups0, xp.groups, plan);
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
