@@ -1384,10 +1384,12 @@ cudaError_t launch_mt(const W4A16GemvArgs& a, bool vec, dim3 grid, int warps, in
 }
 
 // The x-resident kernel's launch (v4), or warps = 0 where it does not apply: M = 2..32, plain
-// activations, every weight tiled, not expert-indexed, more tiles than SMs, x [8·MT, K] whole in
-// shared memory beside the rings. S (warps per tile) ∈ {1, segs / 2, segs} and P (tile slots per
-// group) minimize the busiest CTA's time in chunk steps: rounds × (span + e) × max(V, W) — a
-// warp's serial chain (span chunks per group, + e = 1 for the partials' exchange when S > 1)
+// activations, every weight tiled, not expert-indexed, more tiles than SMs, x [8·MT, K] (or, in a
+// cluster of C = 2 | 4, its K share: v4.1) in shared memory beside the rings. C, S (warps per
+// tile: segs / (C · segments per warp), one warp over all of K only at C = 1) and P (tile slots
+// per group) minimize the busiest CTA's time in chunk steps: rounds × (span + e) × max(V, W) — a
+// warp's serial chain (span chunks per group, + e = 1 for the partials' exchange when S > 1, 2
+// for the cluster's two barriers)
 // times the SM's share when its W warps are more than V (24 at MT = 1, 16 above) can overlap;
 // at least kXresMinWarps warps. Session 23 (bench_gemv, M = 8) fits the work term: 27B gate_up
 // 6 rounds × 24 warps × 5 chunks 32.0 µs vs 3 × 28 × 10 38.2; q+gate+k+v 3 × 24 × 5 19.7 vs
