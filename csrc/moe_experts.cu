@@ -59,6 +59,10 @@
 //      fit 5 gate_up / 6 down CTAs per SM; an expert hit by c > 8 pairs, at B = 32 only the shared expert,
 //      becomes ceil(c/8) records whose jobs run side by side and re-read it from L2), 4 above
 //      (C = 32). Of a record's MT n8 tiles ceil(rows/8) are live (warp-uniform branch).
+//   2', 3' (v8): NVFP4 at MT = 1 with whole chunks (K % 128 == 0, ≥ 2 chunks: every Qwen3.6
+//      MoE at 17..64 tokens) runs the same jobs on moe_warp_gemv_kernel instead — every warp its
+//      own job stream and cp.async ring, two 16-row A tiles per warp job (gate + up of the same
+//      rows, or two down tiles) on one B fragment, no CTA-wide step; same bits (see there).
 //   4. combine: grid (ceil(h / 1024), T), 128 threads × 8 columns: out[t] = Σ_j in slot order
 //      (skipping out-of-range ids) + the shared-expert term; 8 slots' row loads in flight at once.
 //
@@ -132,11 +136,14 @@
 //   v6: the indexed path for every T·k ≤ 144 (one slot per pair, x row p / k), not
 //       just T = 1: T = 4 / 8 / 16 −21 / −21 / −7% (moe_probe, see indexed_path); the combine
 //       keeps 8 slots' loads in flight (T = 1 −0.7 µs, T = 32 −2.6).
-//   v7 (this): NVFP4 stacks in the GEMV word bit order (gemv_words, derived once at load by the
+//   v7: NVFP4 stacks in the GEMV word bit order (gemv_words, derived once at load by the
 //       expert banks): no activation prmt in gate_up, act stored in natural order, and the
 //       indexed path's one-row kernel takes its natural-order instance. moe_probe timing of
 //       random words (session 21, call 1, µs): T = 1 17.7 → 16.9, 8 61.0 → 56.0, 16 104.8 →
 //       94.2, 32 148.1 → 136.2, 64 202.5 → 186.7.
+//   v8 (this): the warp-streamed grouped GEMV (2', 3') for NVFP4 records of 8 pairs. moe_probe
+//       (session 24, call 6, words, µs): T = 17 99.7 → 77.0, 24 120.5 → 99.5, 32 133.4 → 108.1,
+//       64 193.7 → 153.9; ncu T = 32 gate_up 91.1 → 79.7, down 48.7 → 36.6 (cold).
 //
 // Floor: bytes = (experts hit) · (2·I·h + h·I) · B_w (B_w = 9/16 NVFP4, 2 BF16) + x, act, d, out.
 //   35B-A3B (h 2048, I 512, top-8 of 256 + the shared expert as slot 8), NVFP4: B = 1: 9 experts
@@ -847,6 +854,272 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
   cp_async_wait<0>();   // only empty groups are left
 }
 
+// ---- 2', 3'. warp-streamed grouped GEMV (NVFP4, records of ≤ 8 pairs, K % 128 == 0) ------------
+//
+// The same jobs and the same bits as moe_grouped_gemv_kernel at MT = 1, without its CTA-wide
+// steps: every WARP is a persistent stream of its own jobs through its own cp.async ring (what
+// w4a16_gemv's one-row kernel does for dense rows), so no barrier ties a warp to the CTA's
+// slowest warp, and the per-chunk bookkeeping a CTA step paid (job-slot opens, the issue and
+// compute cursors, the stage select, the barrier: ≈ 95 of the ≈ 270 SASS instructions per warp
+// and chunk of the CTA kernel's gate_up at T = 32, session 24) shrinks to pointer steps.
+//
+// Warp job (record r, tile x): 32 weight rows × all K for the record's ≤ 8 pairs (n8 columns).
+//   gate_up: A tile 0 = gate rows n = 16x .. +16, A tile 1 = the up rows of the same n, so
+//     silu(bf16(g)) · bf16(u) is formed in the lane that holds both (no exchange); tiles = I / 16.
+//   down: A tiles 0, 1 = rows n = 32x .. +16, 32x + 16 .. +16 (h % 32 == 0); tiles = h / 32.
+//   Both tiles take the same B fragment (one activation load per word for two mma pairs).
+// Warp w of CTA b is stream gw = w · grid + b and runs jobs gw, gw + W, gw + 2W, … (W = all
+// warps): the tiles of one record run on different SMs at once, and every SM's warps hold
+// about the same number of jobs.
+// Ring: kWarpStages stages per warp of [32 rows × 64 B] codes, [32 × 8 B] scales, [8 rows ×
+// 256 B] activations; position q = (job i, chunk c) of the warp's flat sequence sits in stage
+// q mod S; step q waits for q's group, issues q + S − 1 into the stage step q − 1 read (every
+// lane is past __syncwarp), computes q. A job has ≥ S − 1 chunks (the launcher's rule), so the
+// copies run at most one job ahead of the math: the warp holds three records — cur (computed),
+// iss (copied), pf (loaded one job ahead, so its global reads are in flight for a whole job).
+// Copies: each copy instruction moves whole 32-byte sectors, as the CTA kernel's do — codes:
+// copy i, lane l → 16-byte piece l % 4 of row l / 4 + 8i (8 rows × 64 contiguous bytes); scales:
+// lane l → row l's 8 bytes; activations: copy i, lane l → unit l % 16 of row l / 16 + 2i (2 rows ×
+// 256 bytes), rows < the record's rows only. (A first form gave lane l all 4 pieces of code row
+// l, 32 rows × 16 bytes per instruction, to save address math: it doubled the L2 requests and
+// ran 22% slower than the CTA kernel, session 24 calls 3 and 6.) Shared addresses: the stage
+// base + a lane constant + an immediate; global: per-row pointers stepped one chunk per copy.
+// Sums: per tile, as moe_grouped_gemv_kernel (w4a16_gemv's segment order), so every g, u, act
+// and d is bitwise the CTA kernel's and the one-row kernel's (tests: indexed == grouped batch,
+// one token alone == inside 32 / 80-token batches).
+constexpr int kWarpStages = 3;        // 3 × 4352 B per warp: 4 CTAs of 4 warps per SM (≤ 128 registers)
+constexpr int kWarpCtaWarps = 4;
+constexpr int kWarpJobRows = 32;      // two 16-row A tiles per warp job
+constexpr int kWarpScalesOff = kWarpJobRows * 64;                      // 2048: after the codes
+constexpr int kWarpXOff = kWarpScalesOff + kWarpJobRows * 8;           // 2304
+constexpr int kWarpStageBytes = kWarpXOff + 8 * kXRowBytes;            // 4352
+constexpr int kWarpCtasPerSm = kWarpStages == 3 ? 4 : 3;
+
+// The warp kernel's launch rule: records of 8 pairs (MT = 1), whole chunks, ≥ S − 1 chunks per job.
+bool warp_gemv_fits(int k) { return k % kChunkK == 0 && k / kChunkK >= kWarpStages - 1; }
+
+// A record as a warp holds it: broadcast fields, and lane < 8 holding column lane's pair.
+struct WarpJob {
+  int e, rows, tile, pair;
+  float f0, f1;   // global scale · 2^7 of tile 0's and tile 1's stack (the epilogue's factors)
+};
+
+template <class F, bool kGateUp>
+__global__ void __launch_bounds__(32 * kWarpCtaWarps, kWarpCtasPerSm)
+    moe_warp_gemv_kernel(const __grid_constant__ GroupedGemv p) {
+  static_assert(F::kScaled, "NVFP4 stacks only");
+  extern __shared__ __align__(16) uint8_t warp_smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int K = p.k, N = p.n, nc = K / kChunkK, seg_chunks = p.seg_chunks;
+  const int64_t row_bytes = K / 2;
+  const uint32_t ring = smem_u32(warp_smem) + warp * (kWarpStages * kWarpStageBytes);
+  const uint8_t* ring_ptr = warp_smem + warp * (kWarpStages * kWarpStageBytes);
+
+  if constexpr (kGateUp) {   // the records come from the kernel just before
+    pdl_wait();
+    pdl_launch_dependents();
+  }
+  // down: the records were complete before this grid launched (moe_grouped_gemv_kernel's PDL note)
+  const int streams = gridDim.x * kWarpCtaWarps, gw = warp * gridDim.x + blockIdx.x;
+  const int num_jobs = *p.num_records * p.tiles;
+  const int my_jobs = gw < num_jobs ? (num_jobs - gw + streams - 1) / streams : 0;
+
+  // ---- records: fetch(i) loads job i's into pf (called for i = 0, 1, 2, … in order) ----
+  const int step_r = streams / p.tiles, step_x = streams % p.tiles;
+  int fetch_r = gw / p.tiles, fetch_x = gw % p.tiles;
+  WarpJob pf{}, iss{}, cur{};
+  auto fetch = [&](int i) {
+    if (i >= my_jobs) return;
+    const int2 info = p.info[fetch_r];
+    pf.e = info.x;
+    pf.rows = info.y;
+    pf.tile = fetch_x;
+    pf.pair = lane < 8 ? p.pairs[static_cast<int64_t>(fetch_r) * 8 + lane] : 0;
+    fetch_r += step_r;
+    fetch_x += step_x;
+    if (fetch_x >= p.tiles) {
+      fetch_x -= p.tiles;
+      ++fetch_r;
+    }
+  };
+
+  // ---- copies of the issue job (see the header): copy i of a chunk moves 8 rows × 64 contiguous
+  // bytes (codes: lane l → piece l % 4 of row l / 4 + 8i) or 2 rows × 256 bytes (activations: lane
+  // l → unit l % 16 of row l / 16 + 2i), whole sectors, like the CTA kernel's copies ----
+  const uint32_t w_dst = 16 * lane, s_dst = kWarpScalesOff + 8 * lane;
+  const int x_u = lane % 16;
+  const uint32_t x_dst = kWarpXOff + (lane / 16) * kXRowBytes + bf16_unit_slot(lane / 16, x_u) * 16;   // + 512·i
+  const int64_t eight_rows = 8 * row_bytes;
+  const uint8_t* w_src[2] = {nullptr, nullptr};   // tile 0 | 1: row l / 4, piece l % 4, at the issue chunk
+  const uint8_t* s_src = nullptr;                 // scale row l at the issue chunk
+  const __nv_bfloat16* x_src[4];                  // activation row l / 16 + 2i, unit l % 16, at the issue chunk
+  bool x_live[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    x_src[i] = p.b;
+    x_live[i] = false;
+  }
+  auto enter = [&]() {   // iss ← pf (the issue cursor's new job): the lane's source pointers at chunk 0
+    iss = pf;
+    const int64_t e_row = static_cast<int64_t>(iss.e) * N;
+    const int n0 = kGateUp ? 16 * iss.tile : 32 * iss.tile, n1 = kGateUp ? n0 : n0 + 16;   // tiles' first rows
+    const ExpertStack& s1 = p.a[kGateUp ? 1 : 0];
+    w_src[0] = static_cast<const uint8_t*>(p.a[0].weight) + (e_row + n0 + lane / 4) * row_bytes + 16 * (lane % 4);
+    w_src[1] = static_cast<const uint8_t*>(s1.weight) + (e_row + n1 + lane / 4) * row_bytes + 16 * (lane % 4);
+    s_src = lane < 16 ? p.a[0].block_scale + (e_row + n0 + lane) * (K / 16)
+                      : s1.block_scale + (e_row + n1 + lane - 16) * (K / 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = lane / 16 + 2 * i;
+      const int pr = __shfl_sync(0xffffffffu, iss.pair, r);
+      x_live[i] = r < iss.rows;
+      x_src[i] = p.b + static_cast<int64_t>(kGateUp ? pr / p.top_k : pr) * K + 8 * x_u;
+    }
+    iss.f0 = p.gs[0][iss.e] * kOutBias;
+    iss.f1 = kGateUp ? p.gs[1][iss.e] * kOutBias : iss.f0;
+  };
+  // the issue chunk's codes and scales | activations into the stage at ring offset st; then the
+  // pointers step one chunk
+  auto issue_weights = [&](uint32_t st) {
+    const uint32_t d = st + w_dst;
+    cp_async16(d, w_src[0]);
+    cp_async16(d + 512, w_src[0] + eight_rows);
+    cp_async16(d + 1024, w_src[1]);
+    cp_async16(d + 1536, w_src[1] + eight_rows);
+    cp_async8(st + s_dst, s_src);
+    w_src[0] += kChunkK / 2;
+    w_src[1] += kChunkK / 2;
+    s_src += kChunkK / 16;
+  };
+  auto issue_acts = [&](uint32_t st) {
+    const uint32_t d = st + x_dst;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (x_live[i]) cp_async16(d + 512 * i, x_src[i]);
+      x_src[i] += kChunkK;
+    }
+  };
+
+  // ---- prologue: positions 0 .. S − 2, all in job 0 (nc ≥ S − 1); down: their weights before
+  // griddepcontrol.wait, the activations after it (group 0 also carries the weights) ----
+  fetch(0);
+  if (my_jobs > 0) enter();   // warp-uniform
+  fetch(1);
+#pragma unroll
+  for (int n = 0; n < kWarpStages - 1; ++n) {
+    if (my_jobs > 0) issue_weights(ring + n * kWarpStageBytes);
+    if constexpr (kGateUp) {
+      if (my_jobs > 0) issue_acts(ring + n * kWarpStageBytes);
+      cp_async_commit();
+    }
+  }
+  if constexpr (!kGateUp) {   // act comes from the gate_up kernel
+    pdl_wait();
+    pdl_launch_dependents();
+#pragma unroll
+    for (int n = 0; n < kWarpStages - 1; ++n) {
+      if (my_jobs > 0) issue_acts(ring + n * kWarpStageBytes);
+      cp_async_commit();
+    }
+  }
+  int is_job = 0, is_chunk = kWarpStages - 1, is_stage = kWarpStages - 1;   // issue cursor
+  cur = iss;
+
+  // ---- steps ----
+  float acc[2][4], done[2][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[i][r] = done[i][r] = 0.0f;
+  }
+  int seg_left = seg_chunks, c_chunk = 0, c_stage = 0;
+  const int positions = my_jobs * nc;
+#pragma unroll 1
+  for (int q = 0; q < positions; ++q) {
+    cp_async_wait<kWarpStages - 2>();   // this lane's copies of position q landed
+    __syncwarp();                        // … every lane's; all lanes are past step q − 1's reads
+    if (is_chunk == nc) {                // the issue cursor enters the next job
+      is_chunk = 0;
+      if (++is_job < my_jobs) {
+        enter();
+        fetch(is_job + 1);
+      }
+    }
+    if (is_job < my_jobs) {
+      const uint32_t st = ring + is_stage * kWarpStageBytes;
+      issue_weights(st);
+      issue_acts(st);
+    }
+    cp_async_commit();
+    ++is_chunk;
+    is_stage = is_stage + 1 == kWarpStages ? 0 : is_stage + 1;
+
+    {   // position q: 4 words × 2 mma steps × 2 A tiles on one B fragment
+      const uint8_t* ws = ring_ptr + c_stage * kWarpStageBytes;
+      const uint8_t* xs = ws + kWarpXOff;
+      const uint8_t* ss = ws + kWarpScalesOff;
+      const typename F::Frag f[2] = {F::load(ws, ss, 0, g, t), F::load(ws, ss, kTileN, g, t)};
+#pragma unroll
+      for (int wd = 0; wd < 4; ++wd) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(xs + g * kXRowBytes + bf16_unit_slot(g, 4 * t + wd) * 16);
+        const uint4 xv = kGateUp && !F::kNaturalK ? permute_unit(raw) : raw;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          uint32_t ra[4], rb[4];
+          F::word(f[i], ws, 16 * i, g, t, wd, ra, rb);
+          mma_bf16_16816(acc[i], ra[0], rb[0], ra[1], rb[1], xv.x, xv.y);
+          mma_bf16_16816(acc[i], ra[2], rb[2], ra[3], rb[3], xv.z, xv.w);
+        }
+      }
+    }
+    c_stage = c_stage + 1 == kWarpStages ? 0 : c_stage + 1;
+    const bool last = ++c_chunk == nc;
+    if (--seg_left == 0 || last) {   // a K segment ends: done += its partial
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          done[i][r] += acc[i][r];
+          acc[i][r] = 0.0f;
+        }
+      }
+      seg_left = seg_chunks;
+    }
+    if (!last) continue;
+
+    // ---- the job's end: lane (g, t) holds rows g, g + 8 × columns 2t, 2t + 1 of both tiles ----
+    const int pair_lo = __shfl_sync(0xffffffffu, cur.pair, 2 * t);
+    const int pair_hi = __shfl_sync(0xffffffffu, cur.pair, 2 * t + 1);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int col = 2 * t + (r & 1), row = g + 8 * (r >> 1);
+      if (col < cur.rows) {
+        const int64_t out_row = static_cast<int64_t>(r & 1 ? pair_hi : pair_lo) * N;
+        if constexpr (kGateUp) {
+          const int n = 16 * cur.tile + row;
+          // act element n at its mma K position (moe_grouped_gemv_kernel's epilogue), or at n
+          const int n_out = F::kNaturalK ? n : n - g + (g < 4 ? 2 * g : 2 * g - 7);
+          const float v = __bfloat162float(__float2bfloat16(done[0][r] * cur.f0));
+          const float u = __bfloat162float(__float2bfloat16(done[1][r] * cur.f1));
+          p.out[out_row + n_out] = __float2bfloat16(v / (1.0f + expf(-v)) * u);
+        } else {
+          const int n = 32 * cur.tile + row;
+          p.out[out_row + n] = __float2bfloat16(done[0][r] * cur.f0);
+          p.out[out_row + n + 16] = __float2bfloat16(done[1][r] * cur.f1);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) done[i][r] = 0.0f;
+    }
+    c_chunk = 0;
+    cur = iss;   // the issue cursor is at most one job ahead (nc ≥ S − 1)
+  }
+  cp_async_wait<0>();   // only empty groups are left
+}
+
 // ---- 4. combine -------------------------------------------------------------------------------
 
 constexpr int kCombineThreads = 128;
@@ -963,6 +1236,27 @@ cudaError_t launch_grouped_gemv(const GroupedGemv& p, int jobs_bound, cudaStream
   return launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), static_cast<size_t>(smem), stream, p);
 }
 
+// The warp-streamed kernel: every warp the device holds at once (4 per CTA), at most jobs_bound.
+template <class F, bool kGateUp>
+cudaError_t launch_warp_gemv(const GroupedGemv& p, int jobs_bound, cudaStream_t stream) {
+  constexpr int threads = 32 * kWarpCtaWarps;
+  constexpr int smem = kWarpCtaWarps * kWarpStages * kWarpStageBytes;
+  auto kernel = moe_warp_gemv_kernel<F, kGateUp>;
+  static int resident[kMaxDevices] = {};
+  int dev = 0;
+  ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (resident[dev] == 0) {
+    ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    int per_sm = 0, sms = 0;
+    ATLAS_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    resident[dev] = std::max(1, per_sm) * std::max(1, sms);
+  }
+  const int grid = std::max(1, std::min(resident[dev], ceil_div(jobs_bound, kWarpCtaWarps)));
+  return launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), static_cast<size_t>(smem), stream, p);
+}
+
 // 4. out[t] = Σ_j weights[t, j] · d[t·k + j] (+ the shared-expert term).
 cudaError_t launch_combine(const MoeExpertsArgs& a, const __nv_bfloat16* d, cudaStream_t stream) {
   return launch_pdl(moe_combine_kernel,
@@ -1055,21 +1349,36 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, const Records& rec, const Work
   const int gate_up_warps = local ? kLocalGateUpWarps : kWarps;   // tile warps per gate_up job
   const int gate_up_tiles = a.inter / (gate_up_warps * kTileN / 2), down_tiles = ceil_div(a.hidden, kCtaRows);
 
+  // NVFP4 records of 8 pairs with whole chunks: the warp-streamed kernel (same bits, its own tiles)
+  const bool warp_gate_up = F::kScaled && ws.mt == 1 && !local && warp_gemv_fits(a.hidden);
+  const bool warp_down = F::kScaled && ws.mt == 1 && !local && warp_gemv_fits(a.inter);
+
   const GroupedGemv gate_up{static_cast<const __nv_bfloat16*>(a.x), {a.gate, a.up}, rec.count, rec.info,
-                            rec.pairs, act, a.inter, a.hidden, a.top_k, gate_up_tiles,
+                            rec.pairs, act, a.inter, a.hidden, a.top_k,
+                            warp_gate_up ? a.inter / kTileN : gate_up_tiles,
                             local, a.ids, pairs, a.num_experts,
                             {F::kScaled ? a.gate.global_scale : nullptr, F::kScaled ? a.up.global_scale : nullptr},
                             w4a16_gemv_segment_chunks(a.hidden)};
-  const int gate_up_jobs = ws.max_records * gate_up_tiles;
-  ATLAS_RETURN_IF_ERROR((local ? launch_grouped_gemv<F, true, 1, kLocalGateUpWarps>(gate_up, gate_up_jobs, stream)
-                         : ws.mt == 1 ? launch_grouped_gemv<F, true, 1, kWarps>(gate_up, gate_up_jobs, stream)
-                                      : launch_grouped_gemv<F, true, kMaxMT, kWarps>(gate_up, gate_up_jobs, stream)));
+  const int gate_up_jobs = ws.max_records * gate_up.tiles;
+  if constexpr (F::kScaled) {
+    if (warp_gate_up) ATLAS_RETURN_IF_ERROR((launch_warp_gemv<F, true>(gate_up, gate_up_jobs, stream)));
+  }
+  if (!warp_gate_up) {
+    ATLAS_RETURN_IF_ERROR((local ? launch_grouped_gemv<F, true, 1, kLocalGateUpWarps>(gate_up, gate_up_jobs, stream)
+                           : ws.mt == 1 ? launch_grouped_gemv<F, true, 1, kWarps>(gate_up, gate_up_jobs, stream)
+                                        : launch_grouped_gemv<F, true, kMaxMT, kWarps>(gate_up, gate_up_jobs, stream)));
+  }
   const GroupedGemv down{act, {a.down, a.down}, rec.count, rec.info, rec.pairs, d, a.hidden, a.inter, a.top_k,
-                         down_tiles, local, a.ids, pairs, a.num_experts,
+                         warp_down ? a.hidden / kWarpJobRows : down_tiles, local, a.ids, pairs, a.num_experts,
                          {F::kScaled ? a.down.global_scale : nullptr, nullptr}, w4a16_gemv_segment_chunks(a.inter)};
-  const int down_jobs = ws.max_records * down_tiles;
-  ATLAS_RETURN_IF_ERROR((ws.mt == 1 ? launch_grouped_gemv<F, false, 1, kWarps>(down, down_jobs, stream)
-                                    : launch_grouped_gemv<F, false, kMaxMT, kWarps>(down, down_jobs, stream)));
+  const int down_jobs = ws.max_records * down.tiles;
+  if constexpr (F::kScaled) {
+    if (warp_down) ATLAS_RETURN_IF_ERROR((launch_warp_gemv<F, false>(down, down_jobs, stream)));
+  }
+  if (!warp_down) {
+    ATLAS_RETURN_IF_ERROR((ws.mt == 1 ? launch_grouped_gemv<F, false, 1, kWarps>(down, down_jobs, stream)
+                                      : launch_grouped_gemv<F, false, kMaxMT, kWarps>(down, down_jobs, stream)));
+  }
   return launch_combine(a, d, stream);
 }
 
