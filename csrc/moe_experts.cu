@@ -1211,20 +1211,18 @@ bool local_grouping(int64_t num_tokens, int top_k) {
 
 constexpr int kMaxDevices = 64;   // per-device bookkeeping
 
-// Persistent grid: every CTA that fits the device at once (SMs × resident CTAs per SM for this
-// instance and smem), at most jobs_bound. Queried once per device and instance (later calls,
-// e.g. under graph capture, make no attribute call).
-template <class F, bool kGateUp, int MT, int TW>
-cudaError_t launch_grouped_gemv(const GroupedGemv& p, int jobs_bound, cudaStream_t stream) {
-  constexpr int threads = 32 * TW;
-  auto kernel = moe_grouped_gemv_kernel<F, kGateUp, MT, TW>;
-  constexpr int smem = F::stages(MT) * stage_layout<F, MT, TW>().bytes;
-  static int resident[kMaxDevices] = {};   // CTAs of this instance the device holds at once
+// Persistent grids: every CTA that fits the device at once (SMs × resident CTAs per SM for the
+// instance and its smem), at most ctas_bound, launched with PDL. Queried once per device and
+// instance (the caller's `resident` cache: later calls, e.g. under graph capture, make no
+// attribute call).
+template <class Kernel>
+cudaError_t launch_persistent(Kernel kernel, int (&resident)[kMaxDevices], int threads, int smem, int ctas_bound,
+                              const GroupedGemv& p, cudaStream_t stream) {
   int dev = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
   if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
   if (resident[dev] == 0) {
-    if constexpr (smem > 48 * 1024) {   // opt in above the default 48 KB
+    if (smem > 48 * 1024) {   // opt in above the default 48 KB
       ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     }
     int per_sm = 0, sms = 0;
@@ -1232,29 +1230,24 @@ cudaError_t launch_grouped_gemv(const GroupedGemv& p, int jobs_bound, cudaStream
     ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     resident[dev] = std::max(1, per_sm) * std::max(1, sms);
   }
-  const int grid = std::max(1, std::min(resident[dev], jobs_bound));
+  const int grid = std::max(1, std::min(resident[dev], ctas_bound));
   return launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), static_cast<size_t>(smem), stream, p);
 }
 
-// The warp-streamed kernel: every warp the device holds at once (4 per CTA), at most jobs_bound.
+template <class F, bool kGateUp, int MT, int TW>
+cudaError_t launch_grouped_gemv(const GroupedGemv& p, int jobs_bound, cudaStream_t stream) {
+  static int resident[kMaxDevices] = {};   // CTAs of this instance the device holds at once
+  return launch_persistent(moe_grouped_gemv_kernel<F, kGateUp, MT, TW>, resident, 32 * TW,
+                           F::stages(MT) * stage_layout<F, MT, TW>().bytes, jobs_bound, p, stream);
+}
+
+// The warp-streamed kernel: every warp the device holds at once (4 per CTA), at most one per job.
 template <class F, bool kGateUp>
 cudaError_t launch_warp_gemv(const GroupedGemv& p, int jobs_bound, cudaStream_t stream) {
-  constexpr int threads = 32 * kWarpCtaWarps;
-  constexpr int smem = kWarpCtaWarps * kWarpStages * kWarpStageBytes;
-  auto kernel = moe_warp_gemv_kernel<F, kGateUp>;
   static int resident[kMaxDevices] = {};
-  int dev = 0;
-  ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
-  if (resident[dev] == 0) {
-    ATLAS_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    int per_sm = 0, sms = 0;
-    ATLAS_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-    ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    resident[dev] = std::max(1, per_sm) * std::max(1, sms);
-  }
-  const int grid = std::max(1, std::min(resident[dev], ceil_div(jobs_bound, kWarpCtaWarps)));
-  return launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), static_cast<size_t>(smem), stream, p);
+  return launch_persistent(moe_warp_gemv_kernel<F, kGateUp>, resident, 32 * kWarpCtaWarps,
+                           kWarpCtaWarps * kWarpStages * kWarpStageBytes, ceil_div(jobs_bound, kWarpCtaWarps), p,
+                           stream);
 }
 
 // 4. out[t] = Σ_j weights[t, j] · d[t·k + j] (+ the shared-expert term).
