@@ -360,6 +360,32 @@ def test_moe_experts_kernel_indexed_batch_equals_grouped_batch(fmt):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4w"])
+@pytest.mark.parametrize("h,inter", [(256, 1024),   # gate_up: 2 chunks per job, ≈ 3 jobs per warp
+                                     (2048, 256)])  # down: 2 chunks per job, ≈ 3 jobs per warp
+def test_moe_experts_kernel_warp_streams_cross_jobs(fmt, h, inter):
+    """The warp-streamed grouped GEMV (NVFP4, 17..64 tokens) at its shortest jobs: 2 chunks, so
+    a warp's copies enter its next job at the first step of every job, and each warp runs
+    several jobs (64 distinct experts, 512 pairs). Against the reference, and each checked row
+    bitwise equal to that token alone (the one-row GEMV path)."""
+    g = _gen("experts-warp-streams", fmt, h, inter)
+    e, t, k = 64, 64, 8
+    (gate, up, down), _ = _stacks(g, e, inter, h, fmt)
+    gate, up, down = _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda")
+    x = torch.randn(t, h, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
+    w = torch.rand(t, k, generator=g)
+    ref = ops.moe_experts(x, ids, w, *(_to(s, "cpu") for s in (gate, up, down)))
+    out = ops.moe_experts(x.cuda(), ids.cuda(), w.cuda(), gate, up, down)
+    assert rel_err(out.cpu(), ref) < 5e-3
+    batch = ops.moe_experts(x.cuda(), ids.cuda(), w.cuda(), gate, up, down, out_dtype=torch.bfloat16)
+    for r in (0, 37, 63):
+        one = ops.moe_experts(x[r:r + 1].cuda(), ids[r:r + 1].cuda(), w[r:r + 1].cuda(), gate, up, down,
+                              out_dtype=torch.bfloat16)
+        assert torch.equal(batch[r:r + 1], one), f"row {r}"
+
+
+@pytest.mark.cuda
 def test_moe_experts_kernel_rejects_misaligned_x():
     g = _gen("experts-misaligned")
     (gate, up, down), _ = _stacks(g, 4, 32, 64, "bf16")
