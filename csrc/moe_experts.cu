@@ -307,6 +307,19 @@ __device__ __forceinline__ uint4 permute_unit(uint4 a) {
   return make_uint4(prmt(a.x, a.z, 0x5410), prmt(a.x, a.z, 0x7632), prmt(a.y, a.w, 0x5410), prmt(a.y, a.w, 0x7632));
 }
 
+// gate_up's store position of act element n (n % 8 = j): its mma K position inside its 8-element
+// unit — the order permute_unit gives (x0, x4, x1, x5, …): j → 2j (j < 4) | 2j − 7 — or n itself
+// (kNaturalK: stacks in the GEMV word order).
+template <bool kNaturalK>
+__device__ __forceinline__ int act_position(int n, int j) {
+  return kNaturalK ? n : n - j + (j < 4 ? 2 * j : 2 * j - 7);
+}
+
+// act = bf16(silu(g) · u), g and u the bf16-rounded gate and up dots as f32 (f32 math).
+__device__ __forceinline__ __nv_bfloat16 silu_mul(float g, float u) {
+  return __float2bfloat16(g / (1.0f + expf(-g)) * u);
+}
+
 // Weight formats: bytes per row per chunk, copy pieces, and the lane's A fragment of word wd.
 // kNaturalK: the A fragment registers pair k-adjacent codes (NVFP4 stacks in the GEMV word bit
 // order, MoeExpertsArgs::gemv_words): activations feed the mma as loaded and act is stored in
@@ -756,14 +769,11 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
           if (col >= rows) continue;
           int i;
           const int n = row_of(sl.tile, row0 + r, i);
-          // gate_up: act element n lands at its mma K position inside its 8-element unit — the
-          // order permute_unit gives (x0, x4, x1, x5, …): n % 8 = g → 2g (g < 4) | 2g − 7 — or
-          // at n (kNaturalK)
-          const int n_out = kGateUp && !F::kNaturalK ? n - g + (g < 4 ? 2 * g : 2 * g - 7) : n;
+          const int n_out = kGateUp ? act_position<F::kNaturalK>(n, g) : n;   // n % 8 = g
           __nv_bfloat16* dst = p.out + static_cast<int64_t>(sl.pair[col]) * N + n_out;
           const float v = __bfloat162float(__float2bfloat16(done[mt][q] * factor));
           if constexpr (kGateUp) {
-            *dst = __float2bfloat16(v / (1.0f + expf(-v)) * up_s[tw / 2][r][col]);
+            *dst = silu_mul(v, up_s[tw / 2][r][col]);
           } else {
             *dst = __float2bfloat16(done[mt][q] * factor);
           }
@@ -1097,11 +1107,10 @@ __global__ void __launch_bounds__(32 * kWarpCtaWarps, kWarpCtasPerSm)
         const int64_t out_row = static_cast<int64_t>(r & 1 ? pair_hi : pair_lo) * N;
         if constexpr (kGateUp) {
           const int n = 16 * cur.tile + row;
-          // act element n at its mma K position (moe_grouped_gemv_kernel's epilogue), or at n
-          const int n_out = F::kNaturalK ? n : n - g + (g < 4 ? 2 * g : 2 * g - 7);
+          const int n_out = act_position<F::kNaturalK>(n, g);   // n % 8 = g
           const float v = __bfloat162float(__float2bfloat16(done[0][r] * cur.f0));
           const float u = __bfloat162float(__float2bfloat16(done[1][r] * cur.f1));
-          p.out[out_row + n_out] = __float2bfloat16(v / (1.0f + expf(-v)) * u);
+          p.out[out_row + n_out] = silu_mul(v, u);
         } else {
           const int n = 32 * cur.tile + row;
           p.out[out_row + n] = __float2bfloat16(done[0][r] * cur.f0);
