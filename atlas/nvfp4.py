@@ -125,13 +125,24 @@ GEMV_CHUNK_K = 128     # K per chunk of the tiled layout
 
 
 def _chunk_major(t: Tensor, row_bytes_per_chunk: int) -> Tensor:
-    """[N, C·b] bytes → a [N, C, b] view (strides (b, N·b, 1)) of a chunk-major buffer: chunk c of
-    every row, rows in order, is one run of N·b bytes at c·N·b."""
-    n = t.shape[0]
-    c = t.shape[1] // row_bytes_per_chunk
-    buf = torch.empty(c, n, row_bytes_per_chunk, dtype=t.dtype, device=t.device)   # always a copy
-    buf.copy_(t.reshape(n, c, row_bytes_per_chunk).transpose(0, 1))
-    return buf.transpose(0, 1)
+    """[..., N, C·b] bytes → a [..., N, C, b] view (inner strides (b, N·b, 1)) of a chunk-major
+    buffer [..., C, N, b]: chunk c of every row, rows in order, is one run of N·b bytes at c·N·b
+    (per leading index: an expert stack is chunk-major per expert)."""
+    *lead, n, cb = t.shape
+    c = cb // row_bytes_per_chunk
+    buf = torch.empty(*lead, c, n, row_bytes_per_chunk, dtype=t.dtype, device=t.device)   # always a copy
+    buf.copy_(t.reshape(*lead, n, c, row_bytes_per_chunk).transpose(-3, -2))
+    return buf.transpose(-3, -2)
+
+
+def _in_gemv_word_bits(packed: Tensor) -> None:
+    """Re-place the codes of a chunk-major packed view [..., N, C, 64] (_chunk_major) in the GEMV
+    word bit order, in place, a bounded number of [N, 64] chunk runs per pass (the int64
+    temporaries of gemv_word_bits)."""
+    buf = packed.transpose(-3, -2).flatten(0, -3)   # [(...)·C, N, 64]: a view of the buffer
+    per_pass = max(1, (1 << 24) // max(1, buf[0].numel()))
+    for c in range(0, buf.shape[0], per_pass):
+        buf[c:c + per_pass] = gemv_word_bits(buf[c:c + per_pass])
 
 
 # The tiled copy also re-places the bits inside each 32-bit word (8 codes, code i = k offset i):
@@ -212,12 +223,42 @@ def tile_for_gemv(q: "NVFP4Weight") -> tuple[Tensor, Tensor]:
     if k % GEMV_CHUNK_K != 0:
         raise ValueError(f"tile_for_gemv: K = {k} must be a multiple of {GEMV_CHUNK_K}")
     packed = _chunk_major(q.packed, GEMV_CHUNK_K // 2)          # [N, C, 64], chunk-major storage
-    buf = packed.transpose(0, 1)                                 # [C, N, 64] contiguous
-    rows_per_pass = max(1, (1 << 24) // max(1, buf[0].numel()))  # bounds the int64 temporaries
-    for c in range(0, buf.shape[0], rows_per_pass):
-        buf[c:c + rows_per_pass] = gemv_word_bits(buf[c:c + rows_per_pass])
+    _in_gemv_word_bits(packed)
     scale = _chunk_major(q.block_scale.view(torch.uint8), GEMV_CHUNK_K // 16).view(torch.float8_e4m3fn)
     return packed, scale
+
+
+def tile_expert_stack(packed: Tensor, block_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """An NVFP4 expert stack (checkpoint words: packed uint8 [E, N, K/2], block_scale e4m3
+    [E, N, K/16]) → the same codes laid out as tile_for_gemv lays out one weight, per expert: the
+    form ops.moe_experts streams fastest (csrc/moe_experts.h, "tiled"; v9: the rows a warp and its
+    neighbours stream at one time are adjacent, T = 32 −12%, bench/NOTES.md). Derived once at load
+    (atlas.layers.ffn expert banks on CUDA, where h and I are multiples of 128).
+
+    Returns:
+        (packed uint8 [E, N, K/128, 64], block_scale e4m3 [E, N, K/128, 8]): views with strides
+        (N·K/2, 64, 64·N, 1) and (N·K/16, 8, 8·N, 1) of per-expert chunk-major buffers, words in
+        the GEMV bit order (gemv_word_bits); index [e, n, c] is expert e's row n, chunk c. The
+        4-D strided shape with last dim 64 is what tells moe_experts the layout.
+    Raises:
+        ValueError: K % 128 != 0, or the shapes disagree.
+    """
+    check_tensor("tile_expert_stack", "packed", packed, dtype=torch.uint8, ndim=3, what="uint8 [E, N, K/2]")
+    e, n, half_k = packed.shape
+    check_tensor("tile_expert_stack", "block_scale", block_scale, dtype=torch.float8_e4m3fn,
+                 shape=(e, n, half_k // 8), device=packed.device, what=f"e4m3 [{e}, {n}, {half_k // 8}]")
+    if (2 * half_k) % GEMV_CHUNK_K:
+        raise ValueError(f"tile_expert_stack: K = {2 * half_k} must be a multiple of {GEMV_CHUNK_K}")
+    tiled = _chunk_major(packed, GEMV_CHUNK_K // 2)                # [E, N, C, 64], chunk-major per expert
+    _in_gemv_word_bits(tiled)
+    scale = _chunk_major(block_scale.view(torch.uint8), GEMV_CHUNK_K // 16).view(torch.float8_e4m3fn)
+    return tiled, scale
+
+
+def is_tiled_expert_stack(packed: Tensor) -> bool:
+    """Whether packed is tile_expert_stack's layout ([E, N, K/128, 64]; the GEMV word form is
+    [E, N, K/8, 4], the checkpoint's [E, N, K/2])."""
+    return packed.dim() == 4 and packed.shape[-1] == GEMV_CHUNK_K // 2
 
 
 def expert_words_for_gemv(packed: Tensor) -> Tensor:
@@ -238,9 +279,13 @@ def expert_words_for_gemv(packed: Tensor) -> Tensor:
 
 
 def dequantize_expert_stack(packed: Tensor, block_scale: Tensor, global_scale: Tensor) -> Tensor:
-    """An NVFP4 expert stack → float32 [E, N, K]: packed uint8 [E, N, K/2] (checkpoint words) or
-    [E, N, K/8, 4] (GEMV word order, expert_words_for_gemv), block_scale e4m3 [E, N, K/16],
-    global_scale f32 [E]. W = e2m1 · block_scale · global_scale (exact up to the last product)."""
+    """An NVFP4 expert stack → float32 [E, N, K]: packed uint8 [E, N, K/2] (checkpoint words),
+    [E, N, K/8, 4] (GEMV word order, expert_words_for_gemv) or [E, N, K/128, 64] with block_scale
+    [E, N, K/128, 8] (tile_expert_stack), block_scale e4m3 [E, N, K/16] otherwise, global_scale
+    f32 [E]. W = e2m1 · block_scale · global_scale (exact up to the last product)."""
+    if is_tiled_expert_stack(packed):   # per-expert chunk-major views → row-major GEMV words
+        packed = packed.reshape(packed.shape[0], packed.shape[1], -1, 4)
+        block_scale = block_scale.reshape(block_scale.shape[0], block_scale.shape[1], -1)
     if packed.dim() == 4:   # words in the GEMV bit order: back to the checkpoint's
         packed = gemv_word_bits(packed, inverse=True).flatten(2)
     e, n, half_k = packed.shape

@@ -1150,30 +1150,57 @@ def _(table, ids, hidden, w_embed, w_hidden, eps, zero_centered):
     return table.new_empty(ids.shape[0], 2 * table.shape[1])
 
 
+def _tiled_view_ok(t: Tensor, n: int, k: int, b: int) -> bool:
+    """t is [E, n, k/128, b] with strides (n·k/128·b, b, n·b, 1) (any stride on a size-1 dim):
+    nvfp4.tile_expert_stack's views."""
+    c = k // 128
+    want = (n * c * b, b, n * b, 1)
+    return (t.dim() == 4 and k % 128 == 0 and tuple(t.shape[1:]) == (n, c, b)
+            and all(size == 1 or st == w for size, st, w in zip(t.shape, t.stride(), want)))
+
+
 def _expert_stack(op: str, name: str, s, shape_nk, device):
     """A stack of E expert weights [E, N, K]: bf16 Tensor, or (packed uint8 [E, N, K/2] —
     or [E, N, K/8, 4], the words in the GEMV bit order (nvfp4.expert_words_for_gemv) —,
-    block_scale e4m3 [E, N, K/16], global_scale f32 [E]). Returns (tensors, is_nvfp4)."""
+    block_scale e4m3 [E, N, K/16], global_scale f32 [E]), or the tiled views of
+    nvfp4.tile_expert_stack (packed [E, N, K/128, 64], block_scale [E, N, K/128, 8]) with
+    global_scale. Returns (tensors, layout): layout "bf16" | "words" (checkpoint) | "gemv" | "tiled"."""
     if isinstance(s, Tensor):
         check_tensor(op, name, s, dtype=torch.bfloat16, shape=(None, *shape_nk), device=device, contiguous=True,
                      what=f"bf16 [E, {shape_nk[0]}, {shape_nk[1]}]")
-        return (s,), False
+        return (s,), "bf16"
     if not (isinstance(s, (tuple, list)) and len(s) == 3):
         raise TypeError(f"{op}: {name} must be a bf16 tensor or a (packed, block_scale, global_scale) tuple")
     n, k = shape_nk
     packed, scale, gs = s
-    if isinstance(packed, Tensor) and packed.dim() == 4:   # GEMV word order
+    layout = "words"
+    if isinstance(packed, Tensor) and packed.dim() == 4 and packed.shape[-1] == 64:   # tile_expert_stack
+        layout = "tiled"
+        what = f"uint8 [E, {n}, {k // 128}, 64] (tile_expert_stack's view)"
+        check_tensor(op, f"{name}[0]", packed, dtype=torch.uint8, device=device, what=what)
+        if not _tiled_view_ok(packed, n, k, 64):
+            raise ValueError(f"{op}: {name}[0] must be {what}, got shape {list(packed.shape)}, "
+                             f"strides {packed.stride()}")
+    elif isinstance(packed, Tensor) and packed.dim() == 4:   # GEMV word order
+        layout = "gemv"
         check_tensor(op, f"{name}[0]", packed, dtype=torch.uint8, shape=(None, n, k // 8, 4), device=device,
                      contiguous=True, what=f"uint8 [E, {n}, {k // 8}, 4] (GEMV word order)")
     else:
         check_tensor(op, f"{name}[0]", packed, dtype=torch.uint8, shape=(None, n, k // 2), device=device,
-                     contiguous=True, what=f"uint8 [E, {n}, {k // 2}] or [E, {n}, {k // 8}, 4]")
+                     contiguous=True, what=f"uint8 [E, {n}, {k // 2}], [E, {n}, {k // 8}, 4] or tiled")
     e = packed.shape[0]
-    check_tensor(op, f"{name}[1]", scale, dtype=torch.float8_e4m3fn, shape=(e, n, k // 16), device=device,
-                 contiguous=True, what=f"e4m3 [E, {n}, {k // 16}]")
+    if layout == "tiled":
+        what = f"e4m3 [E, {n}, {k // 128}, 8] (tile_expert_stack's view)"
+        check_tensor(op, f"{name}[1]", scale, dtype=torch.float8_e4m3fn, device=device, what=what)
+        if scale.shape[0] != e or not _tiled_view_ok(scale, n, k, 8):
+            raise ValueError(f"{op}: {name}[1] must be {what}, got shape {list(scale.shape)}, "
+                             f"strides {scale.stride()}")
+    else:
+        check_tensor(op, f"{name}[1]", scale, dtype=torch.float8_e4m3fn, shape=(e, n, k // 16), device=device,
+                     contiguous=True, what=f"e4m3 [E, {n}, {k // 16}]")
     check_tensor(op, f"{name}[2]", gs, dtype=torch.float32, shape=(e,), device=device, contiguous=True,
                  what="f32 [E]")
-    return (packed, scale, gs), True
+    return (packed, scale, gs), layout
 
 
 def _dense_stack(t: tuple) -> Tensor:
@@ -1200,8 +1227,10 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
             tensor, or an NVFP4 tuple (packed uint8 [E, N, K/2], block_scale e4m3 [E, N, K/16],
             global_scale f32 [E]); all three in the same format; E ≤ 4096. NVFP4 packed may
             instead be uint8 [E, N, K/8, 4], each 32-bit word's codes in the GEMV bit order
-            (nvfp4.expert_words_for_gemv, what the layers hold on CUDA: the kernels then skip the
-            activation permutation); all three in the same word order.
+            (nvfp4.expert_words_for_gemv: the kernels then skip the activation permutation), or
+            packed and block_scale the tiled views of nvfp4.tile_expert_stack (GEMV words, each
+            expert chunk-major; h and I multiples of 128: what the layers hold on CUDA, streamed
+            fastest); all three in the same layout.
         shared: optional [T, h] bf16, the shared expert's output, combined in the epilogue;
         shared_gate: [T] bf16 (any stride) shared-expert gate logits, required with shared.
         out_dtype: float32 (default without shared) or bfloat16 (the sum rounded once; the only
@@ -1225,14 +1254,15 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
         inter = gate.shape[1] if gate.dim() == 3 else -1
     else:
         inter = gate[0].shape[1] if isinstance(gate, (tuple, list)) and len(gate) == 3 else -1
-    g, g4 = _expert_stack(op, "gate", gate, (inter, h), x.device)
-    u, u4 = _expert_stack(op, "up", up, (inter, h), x.device)
-    d, d4 = _expert_stack(op, "down", down, (h, inter), x.device)
-    if not g4 == u4 == d4:
+    g, g_layout = _expert_stack(op, "gate", gate, (inter, h), x.device)
+    u, u_layout = _expert_stack(op, "up", up, (inter, h), x.device)
+    d, d_layout = _expert_stack(op, "down", down, (h, inter), x.device)
+    g4 = g_layout != "bf16"
+    if not g4 == (u_layout != "bf16") == (d_layout != "bf16"):
         raise TypeError(f"{op}: gate, up and down must share one format (all bf16 or all NVFP4)")
-    if g4 and not g[0].dim() == u[0].dim() == d[0].dim():
-        raise ValueError(f"{op}: gate, up and down must share one NVFP4 word order "
-                         f"(packed all [E, N, K/2] or all [E, N, K/8, 4])")
+    if not g_layout == u_layout == d_layout:
+        raise ValueError(f"{op}: gate, up and down must share one NVFP4 layout (packed all [E, N, K/2], "
+                         f"all [E, N, K/8, 4] or all tiled), got {g_layout}, {u_layout}, {d_layout}")
     if len({s[0].shape[0] for s in (g, u, d)}) != 1:
         raise ValueError(f"{op}: gate, up and down must hold the same number of experts E")
     if not 1 <= g[0].shape[0] <= MOE_EXPERTS_MAX_EXPERTS:

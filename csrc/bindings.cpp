@@ -573,25 +573,49 @@ void embedding_norm_concat(const torch::Tensor& table,      // [V, h] bf16 conti
 }
 
 namespace moe {
-// One expert stack: bf16 [E, N, K] (scale, gs undefined) or NVFP4 packed [E, N, K/2] (checkpoint
-// words) | [E, N, K/8, 4] (words in the GEMV bit order: *gemv_words = true) + e4m3 [E, N, K/16] + f32 [E].
+// The NVFP4 stack layouts (atlas/nvfp4.py): 0 checkpoint words, packed [E, N, K/2] + scales
+// [E, N, K/16], both contiguous; 1 words in the GEMV bit order (expert_words_for_gemv), packed
+// [E, N, K/8, 4] + the same scales; 2 tiled (tile_expert_stack), packed [E, N, K/128, 64] with
+// strides (N·K/2, 64, N·64, 1) + scales [E, N, K/128, 8] with strides (N·K/16, 8, N·8, 1): the
+// views of per-expert chunk-major buffers.
+enum StackLayout { kCheckpointWords = 0, kGemvWords = 1, kTiled = 2 };
+
+// [E, n, k/128, b] with the strides above (any stride on a size-1 dim)
+bool tiled_view(const torch::Tensor& t, int64_t n, int64_t k, int64_t b) {
+  if (t.dim() != 4 || k % 128 != 0 || t.size(1) != n || t.size(2) != k / 128 || t.size(3) != b) return false;
+  const int64_t want[4] = {n * k / 128 * b, b, n * b, 1};
+  for (int d = 0; d < 4; ++d) {
+    if (t.size(d) != 1 && t.stride(d) != want[d]) return false;
+  }
+  return true;
+}
+
+// One expert stack: bf16 [E, N, K] (scale, gs undefined) or NVFP4 packed + e4m3 scales + f32 [E]
+// global scales in one of the layouts above (*layout).
 atlas::ExpertStack stack(const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
                          const c10::optional<torch::Tensor>& gs, bool nvfp4, int64_t n, int64_t k, const char* name,
-                         bool* gemv_words) {
-  CHECK_CUDA_TENSOR(w); CHECK_CONTIGUOUS(w);
-  const bool words = nvfp4 && w.dim() == 4;
-  TORCH_CHECK((w.dim() == 3 || words) && w.size(1) == n, "moe_experts: ", name, " must be [E, ", num(n),
-              ", K] (NVFP4: [E, N, K/2] or [E, N, K/8, 4])");
-  *gemv_words = words;
+                         int* layout) {
+  CHECK_CUDA_TENSOR(w);
+  *layout = !nvfp4 || w.dim() == 3 ? kCheckpointWords : w.dim() == 4 && w.size(-1) == 64 ? kTiled : kGemvWords;
+  if (*layout != kTiled) CHECK_CONTIGUOUS(w);
+  TORCH_CHECK((w.dim() == 3 || (nvfp4 && w.dim() == 4)) && w.size(1) == n, "moe_experts: ", name, " must be [E, ",
+              num(n), ", K] (NVFP4: [E, N, K/2], [E, N, K/8, 4] or tiled [E, N, K/128, 64])");
   atlas::ExpertStack s{};
   s.weight = w.data_ptr();
   if (nvfp4) {
-    const bool packed_k = words ? w.size(2) == k / 8 && w.size(3) == 4 : w.size(2) == k / 2;
+    const bool packed_k = *layout == kTiled      ? tiled_view(w, n, k, 64)
+                          : *layout == kGemvWords ? w.size(2) == k / 8 && w.size(3) == 4
+                                                  : w.size(2) == k / 2;
     TORCH_CHECK(w.scalar_type() == torch::kByte && packed_k && scale.has_value() && gs.has_value(),
-                "moe_experts: ", name, " must be NVFP4 (packed, block_scale, global_scale)");
-    TORCH_CHECK(scale->is_contiguous() && scale->size(0) == w.size(0) && scale->size(1) == n && scale->size(2) == k / 16 &&
+                "moe_experts: ", name, " must be NVFP4 (packed, block_scale, global_scale)",
+                *layout == kTiled ? " (tiled: the views tile_expert_stack returns)" : "");
+    const bool scale_ok = *layout == kTiled ? tiled_view(*scale, n, k, 8)
+                                            : scale->is_contiguous() && scale->dim() == 3 && scale->size(1) == n &&
+                                                  scale->size(2) == k / 16;
+    TORCH_CHECK(scale_ok && scale->size(0) == w.size(0) && scale->scalar_type() == torch::kFloat8_e4m3fn &&
                 gs->is_contiguous() && gs->numel() == w.size(0) && gs->scalar_type() == torch::kFloat,
-                "moe_experts: ", name, " scales must be e4m3 [E, N, K/16] and f32 [E]");
+                "moe_experts: ", name, " scales must be e4m3 ",
+                *layout == kTiled ? "[E, N, K/128, 8] (tiled)" : "[E, N, K/16]", " and f32 [E]");
     s.block_scale = reinterpret_cast<const uint8_t*>(scale->data_ptr());
     s.global_scale = gs->data_ptr<float>();
   } else {
@@ -633,13 +657,15 @@ void moe_experts(const torch::Tensor& x,        // [T, h] bf16
   const c10::cuda::CUDAGuard guard(x.device());
   atlas::MoeExpertsArgs a{};
   a.x = x.data_ptr(); a.ids = ids.data_ptr<int32_t>(); a.weights = weights.data_ptr<float>();
-  bool words[3];
-  a.gate = moe::stack(gate, gate_scale, gate_gs, nvfp4, inter, h, "gate", &words[0]);
-  a.up = moe::stack(up, up_scale, up_gs, nvfp4, inter, h, "up", &words[1]);
-  a.down = moe::stack(down, down_scale, down_gs, nvfp4, h, inter, "down", &words[2]);
-  TORCH_CHECK(words[0] == words[1] && words[1] == words[2],
-              "moe_experts: gate, up and down must share one NVFP4 word order (all [E, N, K/2] or all [E, N, K/8, 4])");
-  a.nvfp4 = nvfp4; a.gemv_words = words[0]; a.out = out.data_ptr();
+  int layout[3];
+  a.gate = moe::stack(gate, gate_scale, gate_gs, nvfp4, inter, h, "gate", &layout[0]);
+  a.up = moe::stack(up, up_scale, up_gs, nvfp4, inter, h, "up", &layout[1]);
+  a.down = moe::stack(down, down_scale, down_gs, nvfp4, h, inter, "down", &layout[2]);
+  TORCH_CHECK(layout[0] == layout[1] && layout[1] == layout[2],
+              "moe_experts: gate, up and down must share one NVFP4 layout (all [E, N, K/2], all [E, N, K/8, 4] "
+              "or all tiled)");
+  a.nvfp4 = nvfp4; a.gemv_words = layout[0] != moe::kCheckpointWords; a.tiled = layout[0] == moe::kTiled;
+  a.out = out.data_ptr();
   a.out_bf16 = out.scalar_type() == torch::kBFloat16;
   if (with_shared) {
     a.shared = shared->data_ptr(); a.shared_gate = shared_gate->data_ptr(); a.shared_gate_stride = shared_gate->stride(0);

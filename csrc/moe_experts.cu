@@ -15,7 +15,7 @@
 // number of tokens that picked it, and its pairs are the n8 columns of the mma (swap-AB, as
 // w4a16_gemv: weight rows are the 16-row A operand, activation rows the B operand).
 //
-// Few pairs (T·k ≤ 144, NVFP4, h and I multiples of 128; indexed_path): three launches through
+// Few pairs (T·k ≤ 36, NVFP4, h and I multiples of 128; indexed_path): three launches through
 // w4a16_gemv's one-row kernel, expert-indexed, one slot per pair (launch_indexed: gate+up dual,
 // silu down, combine) — the grouped kernels below are latency- or issue-bound there, and their
 // sums follow the one-row kernel's K segment order, so the two paths give the same bits. Otherwise
@@ -141,9 +141,18 @@
 //       indexed path's one-row kernel takes its natural-order instance. moe_probe timing of
 //       random words (session 21, call 1, µs): T = 1 17.7 → 16.9, 8 61.0 → 56.0, 16 104.8 →
 //       94.2, 32 148.1 → 136.2, 64 202.5 → 186.7.
-//   v8 (this): the warp-streamed grouped GEMV (2', 3') for NVFP4 records of 8 pairs. moe_probe
+//   v8: the warp-streamed grouped GEMV (2', 3') for NVFP4 records of 8 pairs. moe_probe
 //       (session 24, call 6, words, µs): T = 17 99.7 → 77.0, 24 120.5 → 99.5, 32 133.4 → 108.1,
 //       64 193.7 → 153.9; ncu T = 32 gate_up 91.1 → 79.7, down 48.7 → 36.6 (cold).
+//   v9 (this): (a) the indexed path only up to T·k = 36 (T = 4 at k = 9): with v8 the grouped
+//       kernels win from T = 5 (moe_probe, session 25 call 1, µs indexed → grouped: T = 4 32.8 →
+//       34.8, 6 44.1 → 40.6, 8 53.4 → 47.5, 16 92.4 → 76.1). (b) tiled stacks (MoeExpertsArgs::
+//       tiled, what the expert banks hold on CUDA): each expert chunk-major, so the 8 rows of a
+//       copy instruction and the rows of the neighbouring warps' jobs are one contiguous run per
+//       chunk instead of 8 rows K/2 bytes apart — the kernels take the two layouts' row and
+//       chunk strides at run time (StackStrides), the bits do not change. moe_probe (call 2,
+//       µs, words → tiled): T = 1 16.0 → 14.4, 4 32.7 → 30.4, 8 48.3 → 41.8, 16 73.6 → 65.8,
+//       32 108.0 → 96.6, 64 148.9 → 134.3 (the probe's random-byte stacks, timing only).
 //
 // Floor: bytes = (experts hit) · (2·I·h + h·I) · B_w (B_w = 9/16 NVFP4, 2 BF16) + x, act, d, out.
 //   35B-A3B (h 2048, I 512, top-8 of 256 + the shared expert as slot 8), NVFP4: B = 1: 9 experts
@@ -419,6 +428,19 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
 }
 
+// Inside one expert of a stack (the expert at e·N·row_bytes(K) weight bytes, e·N·K/16 scale
+// bytes): the bytes between weight rows n and n + 1 and between 128-k chunks c and c + 1 of a row,
+// and the same for the scales (moe_experts.h, ExpertStack).
+struct StackStrides {
+  int w_row, w_chunk, s_row, s_chunk;
+};
+
+template <class F>
+StackStrides stack_strides(int n, int k, bool tiled) {
+  if (tiled) return {F::kRowBytes, n * F::kRowBytes, F::kScaleBytes, n * F::kScaleBytes};   // NVFP4 only
+  return {static_cast<int>(F::row_bytes(k)), F::kRowBytes, k / 16, F::kScaleBytes};
+}
+
 struct GroupedGemv {
   const __nv_bfloat16* b;    // gate_up: x [T, h]; down: act [T·k, I] — B row of column c: b + src·K
   ExpertStack a[2];          // gate_up: gate, up [E, I, h]; down: down, down [E, h, I]
@@ -437,6 +459,7 @@ struct GroupedGemv {
   int num_experts;           // E
   const float* gs[2];        // f32 [E] global scales of a[0], a[1] (NVFP4; down: gs[1] nullptr; BF16: both)
   int seg_chunks;            // 128-k chunks per K segment: w4a16_gemv's (w4a16_gemv_k_splits(K))
+  StackStrides strides;      // inside one expert of a[0] and a[1]
 };
 
 constexpr int kLocalPairs = 32;   // pairs one warp groups (lane = pair)
@@ -643,7 +666,7 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
       const int n = row_of(sl.tile, lr, i);
       const bool live = kGateUp || n < N;   // gate_up tiles divide I exactly
       w_src[j] = live ? static_cast<const uint8_t*>(i ? p.a[1].weight : p.a[0].weight) +
-                            (row0_e + n) * F::row_bytes(K) + u * 16
+                            row0_e * F::row_bytes(K) + static_cast<int64_t>(n) * p.strides.w_row + u * 16
                       : static_cast<const uint8_t*>(p.a[0].weight);
       w_live[j] = live;
     }
@@ -651,7 +674,9 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
       int i;
       const int n = row_of(sl.tile, tid % kJobRows, i);
       const bool live = kGateUp || n < N;
-      s_src = live ? (i ? p.a[1].block_scale : p.a[0].block_scale) + (row0_e + n) * (K / 16) : p.a[0].block_scale;
+      s_src = live ? (i ? p.a[1].block_scale : p.a[0].block_scale) + row0_e * (K / 16) +
+                         static_cast<int64_t>(n) * p.strides.s_row
+                   : p.a[0].block_scale;
       s_live = live;
     }
 #pragma unroll
@@ -666,11 +691,11 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
 #pragma unroll
       for (int j = 0; j < kWPieces; ++j) {
         const int q = tid + kCtaThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
-        cp_async16(smem_base + st + lay.w_off + F::slot(lr, u), w_src[j] + c * F::kRowBytes, w_live[j] ? 16 : 0);
+        cp_async16(smem_base + st + lay.w_off + F::slot(lr, u), w_src[j] + c * p.strides.w_chunk, w_live[j] ? 16 : 0);
       }
       if constexpr (F::kScaled) {
         if (tid < kJobRows) {
-          cp_async8(smem_base + st + lay.s_off + tid * F::kScaleBytes, s_src + c * F::kScaleBytes, s_live ? 8 : 0);
+          cp_async8(smem_base + st + lay.s_off + tid * F::kScaleBytes, s_src + c * p.strides.s_chunk, s_live ? 8 : 0);
         }
       }
       return;
@@ -680,7 +705,7 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
     for (int j = 0; j < kWPieces; ++j) {
       const int q = tid + kCtaThreads * j, lr = q / F::kPieces, u = q % F::kPieces;
       const bool ok = w_live[j] && u * F::kPieceK < k_rem;
-      cp_async16(smem_base + st + lay.w_off + F::slot(lr, u), ok ? w_src[j] + c * F::kRowBytes : p.a[0].weight,
+      cp_async16(smem_base + st + lay.w_off + F::slot(lr, u), ok ? w_src[j] + c * p.strides.w_chunk : p.a[0].weight,
                  ok ? 16 : 0);
     }
     if constexpr (F::kScaled) {   // a row's scales are only 2-byte aligned (K/16 even): 16-bit loads
@@ -689,7 +714,7 @@ __global__ void __launch_bounds__(32 * TW, min_blocks<F>(MT, kGateUp))
 #pragma unroll
       for (int j = 0; j < F::kScaleBytes / 2; ++j) {
         const bool ok = s_live && 32 * j < k_rem;
-        dst[j] = ok ? __ldg(reinterpret_cast<const uint16_t*>(s_src + c * F::kScaleBytes) + j) : uint16_t(0);
+        dst[j] = ok ? __ldg(reinterpret_cast<const uint16_t*>(s_src + c * p.strides.s_chunk) + j) : uint16_t(0);
       }
     }
   };
@@ -921,7 +946,6 @@ __global__ void __launch_bounds__(32 * kWarpCtaWarps, kWarpCtasPerSm)
   extern __shared__ __align__(16) uint8_t warp_smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int K = p.k, N = p.n, nc = K / kChunkK, seg_chunks = p.seg_chunks;
-  const int64_t row_bytes = K / 2;
   const uint32_t ring = smem_u32(warp_smem) + warp * (kWarpStages * kWarpStageBytes);
   const uint8_t* ring_ptr = warp_smem + warp * (kWarpStages * kWarpStageBytes);
 
@@ -959,7 +983,7 @@ __global__ void __launch_bounds__(32 * kWarpCtaWarps, kWarpCtasPerSm)
   const uint32_t w_dst = 16 * lane, s_dst = kWarpScalesOff + 8 * lane;
   const int x_u = lane % 16;
   const uint32_t x_dst = kWarpXOff + (lane / 16) * kXRowBytes + bf16_unit_slot(lane / 16, x_u) * 16;   // + 512·i
-  const int64_t eight_rows = 8 * row_bytes;
+  const int64_t eight_rows = 8 * p.strides.w_row;
   const uint8_t* w_src[2] = {nullptr, nullptr};   // tile 0 | 1: row l / 4, piece l % 4, at the issue chunk
   const uint8_t* s_src = nullptr;                 // scale row l at the issue chunk
   const __nv_bfloat16* x_src[4];                  // activation row l / 16 + 2i, unit l % 16, at the issue chunk
@@ -974,10 +998,11 @@ __global__ void __launch_bounds__(32 * kWarpCtaWarps, kWarpCtasPerSm)
     const int64_t e_row = static_cast<int64_t>(iss.e) * N;
     const int n0 = kGateUp ? 16 * iss.tile : 32 * iss.tile, n1 = kGateUp ? n0 : n0 + 16;   // tiles' first rows
     const ExpertStack& s1 = p.a[kGateUp ? 1 : 0];
-    w_src[0] = static_cast<const uint8_t*>(p.a[0].weight) + (e_row + n0 + lane / 4) * row_bytes + 16 * (lane % 4);
-    w_src[1] = static_cast<const uint8_t*>(s1.weight) + (e_row + n1 + lane / 4) * row_bytes + 16 * (lane % 4);
-    s_src = lane < 16 ? p.a[0].block_scale + (e_row + n0 + lane) * (K / 16)
-                      : s1.block_scale + (e_row + n1 + lane - 16) * (K / 16);
+    const int64_t w_e = e_row * (K / 2) + 16 * (lane % 4), s_e = e_row * (K / 16);
+    w_src[0] = static_cast<const uint8_t*>(p.a[0].weight) + w_e + static_cast<int64_t>(n0 + lane / 4) * p.strides.w_row;
+    w_src[1] = static_cast<const uint8_t*>(s1.weight) + w_e + static_cast<int64_t>(n1 + lane / 4) * p.strides.w_row;
+    s_src = lane < 16 ? p.a[0].block_scale + s_e + static_cast<int64_t>(n0 + lane) * p.strides.s_row
+                      : s1.block_scale + s_e + static_cast<int64_t>(n1 + lane - 16) * p.strides.s_row;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = lane / 16 + 2 * i;
@@ -997,9 +1022,9 @@ __global__ void __launch_bounds__(32 * kWarpCtaWarps, kWarpCtasPerSm)
     cp_async16(d + 1024, w_src[1]);
     cp_async16(d + 1536, w_src[1] + eight_rows);
     cp_async8(st + s_dst, s_src);
-    w_src[0] += kChunkK / 2;
-    w_src[1] += kChunkK / 2;
-    s_src += kChunkK / 16;
+    w_src[0] += p.strides.w_chunk;
+    w_src[1] += p.strides.w_chunk;
+    s_src += p.strides.s_chunk;
   };
   auto issue_acts = [&](uint32_t st) {
     const uint32_t d = st + x_dst;
@@ -1281,10 +1306,13 @@ cudaError_t launch_combine(const MoeExpertsArgs& a, const __nv_bfloat16* d, cuda
 // takes). Same bits as the grouped path: the grouped GEMVs sum in the one-row kernel's segment
 // order and store g, u, act and d with the same roundings (tested: one token alone == inside a
 // batch of 80). The bound also keeps the grid's row groups (≤ ceil(max(2I, h) / 16) per slot)
-// within 65535. Where it stops paying (bench/moe_probe, 35B-A3B MTP head, H200, session 18: µs
-// grouped → indexed): T = 4 50.7 → 40.0, T = 8 76.9 → 60.8, T = 16 114.2 → 106.1, T = 32 167.9 →
-// 195.8 (its 288 pair streams re-read the L2-resident experts more than the grouped jobs cost).
-constexpr int64_t kIndexedMaxPairs = 144;   // T = 16 at k = 9
+// within 65535. Where it stops paying (bench/moe_probe, 35B-A3B MTP head, H200, µs indexed →
+// grouped): against v7's grouped kernels (session 18) T = 4 40.0 → 50.7, 16 106.1 → 114.2, 32
+// 195.8 → 167.9; against v8's warp-streamed ones (session 25, call 1, GEMV-word stacks) T = 3
+// 26.2 → 28.6, 4 32.8 → 34.8, 6 44.1 → 40.6, 8 53.4 → 47.5, 16 92.4 → 76.1 (the pair streams
+// re-read the L2-resident experts more than the grouped jobs cost). Not re-measured on tiled
+// stacks, which speed both sides (T = 4 indexed 30.4, T = 5 grouped 36.5 µs).
+constexpr int64_t kIndexedMaxPairs = 36;   // T = 4 at k = 9
 bool indexed_path(int64_t num_tokens, int top_k, int hidden, int inter) {
   const int64_t pairs = num_tokens * top_k;
   return pairs <= kIndexedMaxPairs && hidden % kChunkK == 0 && inter % kChunkK == 0 &&
@@ -1303,6 +1331,8 @@ cudaError_t launch_indexed(const MoeExpertsArgs& a, const Workspace& ws, cudaStr
     w.block_scale = s.block_scale;
     w.global_scale = s.global_scale;
     w.gemv_words = a.gemv_words;
+    w.tiled = a.tiled;
+    w.rows = n;
     w.out = out;
     w.n = n;
     return w;
@@ -1360,7 +1390,7 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, const Records& rec, const Work
                             warp_gate_up ? a.inter / kTileN : gate_up_tiles,
                             local, a.ids, pairs, a.num_experts,
                             {F::kScaled ? a.gate.global_scale : nullptr, F::kScaled ? a.up.global_scale : nullptr},
-                            w4a16_gemv_segment_chunks(a.hidden)};
+                            w4a16_gemv_segment_chunks(a.hidden), stack_strides<F>(a.inter, a.hidden, a.tiled)};
   const int gate_up_jobs = ws.max_records * gate_up.tiles;
   if constexpr (F::kScaled) {
     if (warp_gate_up) ATLAS_RETURN_IF_ERROR((launch_warp_gemv<F, true>(gate_up, gate_up_jobs, stream)));
@@ -1372,7 +1402,8 @@ cudaError_t launch_typed(const MoeExpertsArgs& a, const Records& rec, const Work
   }
   const GroupedGemv down{act, {a.down, a.down}, rec.count, rec.info, rec.pairs, d, a.hidden, a.inter, a.top_k,
                          warp_down ? a.hidden / kWarpJobRows : down_tiles, local, a.ids, pairs, a.num_experts,
-                         {F::kScaled ? a.down.global_scale : nullptr, nullptr}, w4a16_gemv_segment_chunks(a.inter)};
+                         {F::kScaled ? a.down.global_scale : nullptr, nullptr}, w4a16_gemv_segment_chunks(a.inter),
+                         stack_strides<F>(a.hidden, a.inter, a.tiled)};
   const int down_jobs = ws.max_records * down.tiles;
   if constexpr (F::kScaled) {
     if (warp_down) ATLAS_RETURN_IF_ERROR((launch_warp_gemv<F, false>(down, down_jobs, stream)));
@@ -1400,7 +1431,8 @@ size_t moe_experts_workspace_bytes(int64_t num_tokens, int top_k, int num_expert
 cudaError_t launch_moe_experts(const MoeExpertsArgs& a, cudaStream_t stream) {
   if (!sizes_ok(a.num_tokens, a.top_k, a.num_experts, a.hidden, a.inter) || a.x == nullptr || a.ids == nullptr ||
       a.weights == nullptr || a.workspace == nullptr || a.out == nullptr ||
-      (a.shared != nullptr && a.shared_gate == nullptr) || (a.gemv_words && !a.nvfp4)) {
+      (a.shared != nullptr && a.shared_gate == nullptr) || (a.gemv_words && !a.nvfp4) ||
+      (a.tiled && !(a.gemv_words && a.hidden % kChunkK == 0 && a.inter % kChunkK == 0))) {
     return cudaErrorInvalidValue;
   }
   auto aligned = [](const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };

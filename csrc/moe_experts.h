@@ -8,9 +8,15 @@
 namespace atlas {
 
 // One stack of E expert weights of one role, all [N, K], in one format.
+// NVFP4 layouts (MoeExpertsArgs::gemv_words, ::tiled): expert e's N·K/2 code bytes start at
+// e·N·K/2 and its N·K/16 scale bytes at e·N·K/16 in every layout; inside an expert, row n's
+// 128-k chunk c (64 code bytes, 8 scale bytes) is at
+//   row-major (checkpoint, gemv_words):  n·K/2 + c·64      |  n·K/16 + c·8
+//   tiled (per-expert chunk-major):      c·N·64 + n·64     |  c·N·8 + n·8
+// (tiled: w4a16_gemv's tiled layout per expert, so the rows streamed side by side are adjacent).
 struct ExpertStack {
-  const void* weight;          // bf16 [E, N, K]  |  nvfp4 packed uint8 [E, N, K/2]
-  const uint8_t* block_scale;  // nvfp4: e4m3 [E, N, K/16]; bf16: nullptr
+  const void* weight;          // bf16 [E, N, K]  |  nvfp4 packed uint8 [E, N, K/2] (layout above)
+  const uint8_t* block_scale;  // nvfp4: e4m3 [E, N, K/16] (layout above); bf16: nullptr
   const float* global_scale;   // nvfp4: f32 [E];            bf16: nullptr
 };
 
@@ -30,6 +36,8 @@ struct MoeExpertsArgs {
   bool gemv_words;        // nvfp4 only: every 32-bit word of the three stacks holds its 8 codes in
                           //   the GEMV bit order (atlas/nvfp4.py gemv_word_bits; rows stay
                           //   row-major): k-adjacent dequant pairs, no activation permutation
+  bool tiled;             // nvfp4 with gemv_words, h and I multiples of 128 only: the three stacks
+                          //   per-expert chunk-major (ExpertStack's layouts)
   void* workspace;        // moe_experts_workspace_bytes(T, k, E, h, I) bytes, 256-byte aligned, any
                           //   contents: the expert groups, act [T·k, I] bf16, d [T·k, h] bf16
   const void* shared;     // optional [T, h] bf16 contiguous: the shared expert's output
@@ -50,7 +58,7 @@ struct MoeExpertsArgs {
 size_t moe_experts_workspace_bytes(int64_t num_tokens, int top_k, int num_experts, int hidden, int inter);
 
 // Four launches on `stream` (group pairs by expert — skipped at T·k ≤ 32 —, gate+up+silu, down,
-// combine; NVFP4 with T·k ≤ 144: three expert-indexed GEMV launches, one slot per pair, no
+// combine; NVFP4 with T·k ≤ 36: three expert-indexed GEMV launches, one slot per pair, no
 // grouping); never syncs.
 // cudaErrorInvalidValue outside the ranges above, or when x, out or a weight stack is not 16-byte
 // aligned (block scales: 8-byte; workspace: 256-byte).

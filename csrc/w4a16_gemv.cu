@@ -703,7 +703,7 @@ __host__ __device__ inline int m1_cta_chunks(const SplitPlan& plan, int num_chun
   return plan.warp_splits > 1 ? num_chunks : plan.seg_chunks * plan.segs_per_cta;
 }
 
-// kIndexed: an expert-indexed launch (args.slots, W4A16GemvSlots; moe_experts at T·k ≤ 144), whose
+// kIndexed: an expert-indexed launch (args.slots, W4A16GemvSlots; moe_experts at T·k ≤ 36), whose
 // stacks' words are in the GEMV bit order iff kGemvWords (W4A16GemvWeight::gemv_words): a
 // compile-time choice, where a runtime one cost the indexed instances spills (session 21, ptxas).
 template <GemvAct kAct, bool kIndexed, bool kGemvWords = false>
@@ -1560,7 +1560,8 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
   if (a.num_weights == 2 && a.w[0].tiled != a.w[1].tiled) return cudaErrorInvalidValue;   // one instance: one layout
   const bool indexed = a.slots.ids != nullptr;
   for (int i = 0; i < a.num_weights; ++i) {   // the one-row kernel of an indexed launch only
-    if (a.w[i].gemv_words && (a.w[i].tiled || !indexed || !vec)) return cudaErrorInvalidValue;
+    if (a.w[i].gemv_words && (!indexed || !vec)) return cudaErrorInvalidValue;
+    if (indexed && a.w[i].tiled && !a.w[i].gemv_words) return cudaErrorInvalidValue;   // its words: GEMV order
   }
   if (a.num_weights == 2 && a.w[0].gemv_words != a.w[1].gemv_words) return cudaErrorInvalidValue;
   if (indexed) {   // the one-row kernel only (checked again once the plan is made)
@@ -1569,7 +1570,7 @@ cudaError_t launch_w4a16_gemv(const W4A16GemvArgs& a, cudaStream_t stream) {
       return cudaErrorInvalidValue;
     }
     for (int i = 0; i < a.num_weights; ++i) {
-      if (a.w[i].tiled || a.slots.packed_stride[i] % 16 != 0 || a.slots.scale_stride[i] % 8 != 0 ||
+      if (a.slots.packed_stride[i] % 16 != 0 || a.slots.scale_stride[i] % 8 != 0 ||
           a.slots.packed_stride[i] < 0 || a.slots.scale_stride[i] < 0) {
         return cudaErrorInvalidValue;
       }

@@ -23,10 +23,13 @@ struct W4A16GemvWeight {
   const uint8_t* packed = nullptr;       // [rows ≥ n, K/2] uint8 (layout above), 8-byte aligned
   const uint8_t* block_scale = nullptr;  // [rows ≥ n, K/16] e4m3 bytes (layout above)
   bool tiled = false;                    // the tiled layout (requires the vector path)
-  bool gemv_words = false;               // checkpoint rows, but each 32-bit word's codes in the
-                                         // tiled layout's bit order (expert-indexed launches
-                                         // only: moe_experts' stacks, MoeExpertsArgs::gemv_words)
-  int rows = 0;                          // tiled: the weight's row count (the chunk stride)
+  bool gemv_words = false;               // each 32-bit word's codes in the tiled layout's bit
+                                         // order (expert-indexed launches only: moe_experts'
+                                         // stacks, MoeExpertsArgs::gemv_words): checkpoint rows,
+                                         // or with tiled each expert in the tiled layout (required
+                                         // there: an indexed tiled launch reads GEMV words)
+  int rows = 0;                          // tiled: the weight's row count (the chunk stride;
+                                         // indexed: one expert's, n)
   const float* global_scale = nullptr;   // [] f32 on the device (read by the kernel: no host sync)
   void* out = nullptr;                   // [M, n] bf16 | f32, row stride n
   int n = 0;                             // weight rows computed: the first n rows (n_rows prefix)
@@ -47,8 +50,8 @@ enum class GemvAct : int {
 };
 
 // An expert-indexed launch (moe_experts at T = 1, csrc/moe_experts.cu): each weight is a stack of
-// experts [E, n, K] (checkpoint layout, expert e at packed + e·packed_stride, block_scale +
-// e·scale_stride, global_scale + e) and the launch runs `count` one-row GEMVs, slot j with expert
+// experts [E, n, K] (each expert in the checkpoint or the tiled layout, expert e at packed +
+// e·packed_stride, block_scale + e·scale_stride, global_scale + e) and the launch runs `count` one-row GEMVs, slot j with expert
 // ids[j] (read on the device, after griddepcontrol.wait unless ids_ready: no host sync), its x
 // (and x2) row at x + (j / x_div)·x_stride, its outputs at w[i].out + j·out_stride. A slot whose
 // id is outside [0, num_experts) is skipped: its outputs are left unwritten. M = 1 on the vector

@@ -7,7 +7,7 @@ import torch
 
 import atlas
 from atlas import ops, reference
-from atlas.nvfp4 import expert_words_for_gemv, gemv_word_bits
+from atlas.nvfp4 import dequantize_expert_stack, expert_words_for_gemv, gemv_word_bits, tile_expert_stack
 from helpers import rel_err
 
 
@@ -100,13 +100,18 @@ def test_moe_route_kernel_graph_replay():
 
 # ---- moe_experts (routed experts over device-side ids) -----------------------------------------
 
-# NVFP4 stacks come in two word orders: the checkpoint's ([E, N, K/2]) and the GEMV bit order
-# the layers derive on CUDA ("nvfp4w": [E, N, K/8, 4], nvfp4.expert_words_for_gemv)
-FMTS = ["bf16", "nvfp4", "nvfp4w"]
+# NVFP4 stacks come in three layouts: the checkpoint's ([E, N, K/2]), its words in the GEMV bit
+# order ("nvfp4w": [E, N, K/8, 4], nvfp4.expert_words_for_gemv) and those words per-expert
+# chunk-major, what the layers derive on CUDA ("nvfp4t": nvfp4.tile_expert_stack, h and I % 128 == 0)
+FMTS = ["bf16", "nvfp4", "nvfp4w", "nvfp4t"]
+NVFP4_FMTS = ["nvfp4", "nvfp4w", "nvfp4t"]
 
 
 def _stacks(g, e, inter, h, fmt):
-    """gate, up [E, I, h], down [E, h, I] in fmt, plus their dense float32 values."""
+    """gate, up [E, I, h], down [E, h, I] in fmt, plus their dense float32 values (skips the test
+    for nvfp4t where h or I is not a multiple of 128)."""
+    if fmt == "nvfp4t" and (h % 128 or inter % 128):
+        pytest.skip("the tiled expert layout needs h and I multiples of 128")
     out, dense = [], []
     for n, k in ((inter, h), (inter, h), (h, inter)):
         w = torch.randn(e, n, k, generator=g) * k ** -0.5
@@ -115,16 +120,28 @@ def _stacks(g, e, inter, h, fmt):
             dense.append(s.float())
         else:
             qs = [atlas.quantize_nvfp4(w[i]) for i in range(e)]
-            packed = torch.stack([q.packed for q in qs])
-            s = (expert_words_for_gemv(packed) if fmt == "nvfp4w" else packed,
-                 torch.stack([q.block_scale for q in qs]), torch.stack([q.global_scale for q in qs]))
+            packed, scale = torch.stack([q.packed for q in qs]), torch.stack([q.block_scale for q in qs])
+            if fmt == "nvfp4w":
+                packed = expert_words_for_gemv(packed)
+            elif fmt == "nvfp4t":
+                packed, scale = tile_expert_stack(packed, scale)
+            s = (packed, scale, torch.stack([q.global_scale for q in qs]))
             dense.append(torch.stack([q.dequantize(torch.float32) for q in qs]))
         out.append(s)
     return out, dense
 
 
-def _to(s, dev):
+def _to(s, dev):   # (Tensor.to keeps a dense view's strides: tiled stacks stay tiled)
     return s.to(dev) if isinstance(s, torch.Tensor) else tuple(x.to(dev) for x in s)
+
+
+def _repeat_expert(s, e):
+    """A stack of one expert → E copies of it, in the same layout."""
+    def rep(x):
+        if x.dim() == 4 and x.shape[-1] in (64, 8):   # tiled: repeat the chunk-major buffer
+            return x.transpose(1, 2).expand(e, *x.transpose(1, 2).shape[1:]).contiguous().transpose(1, 2)
+        return x.expand(e, *x.shape[1:]).contiguous()
+    return rep(s) if isinstance(s, torch.Tensor) else tuple(rep(x) for x in s)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -193,12 +210,50 @@ def test_moe_experts_gemv_words_equal_checkpoint_words_cpu(t):
     assert torch.equal(ops.moe_experts(x, ids, w, *words), ops.moe_experts(x, ids, w, gate, up, down))
 
 
+def test_tile_expert_stack_layout():
+    """tile_expert_stack: per expert, row n's chunk c at the chunk-major offset, words in the GEMV
+    bit order; dequantizes to the checkpoint stack's values; a row-major copy is rejected."""
+    g = _gen("tile-expert-stack")
+    e, n, k = 3, 128, 256
+    packed = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(e, n, k // 16, generator=g) + 0.5).to(torch.float8_e4m3fn)
+    gs = torch.rand(e, generator=g) + 0.5
+    tp, ts = tile_expert_stack(packed, scale)
+    assert tp.shape == (e, n, 2, 64) and tp.stride() == (n * 128, 64, n * 64, 1)
+    assert ts.shape == (e, n, 2, 8) and ts.stride() == (n * 16, 8, n * 8, 1)
+    flat = tp.transpose(1, 2).contiguous().view(-1)                          # the buffer as stored
+    assert torch.equal(flat[2 * n * 128 + 1 * n * 64 + 5 * 64:][:64],       # expert 2, chunk 1, row 5
+                       gemv_word_bits(packed[2, 5, 64:128]))
+    assert torch.equal(dequantize_expert_stack(tp, ts, gs), dequantize_expert_stack(packed, scale, gs))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tile_expert_stack(packed[:, :, :40].contiguous(), scale[:, :, :5].contiguous())
+    x, ids, w = torch.zeros(2, 256).bfloat16(), torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, 1)
+    gate = (tp, ts, gs)
+    down = tile_expert_stack(torch.randint(0, 256, (e, k, n // 2), generator=g, dtype=torch.uint8),
+                             scale.new_ones(e, k, n // 16)) + (gs,)
+    with pytest.raises(ValueError, match="tile_expert_stack's view"):         # right shape, row-major strides
+        ops.moe_experts(x, ids, w, (tp.contiguous(), ts, gs), gate, down)
+    with pytest.raises(ValueError, match="one NVFP4 layout"):
+        ops.moe_experts(x, ids, w, gate, (packed, scale, gs), down)
+
+
+@pytest.mark.parametrize("t", [1, 6])
+def test_moe_experts_tiled_equals_checkpoint_words_cpu(t):
+    g = _gen("experts-tiled-cpu", t)
+    (gate, up, down), _ = _stacks(g, 5, 128, 256, "nvfp4")
+    tiled = [(*tile_expert_stack(s[0], s[1]), s[2]) for s in (gate, up, down)]
+    x = torch.randn(t, 256, generator=g).bfloat16()
+    ids = torch.randint(0, 5, (t, 3), generator=g).int()
+    w = torch.rand(t, 3, generator=g)
+    assert torch.equal(ops.moe_experts(x, ids, w, *tiled), ops.moe_experts(x, ids, w, gate, up, down))
+
+
 def test_moe_experts_rejects_mixed_word_orders():
     g = _gen("experts-words-mixed")
     (gate, up, down), _ = _stacks(g, 4, 32, 64, "nvfp4")
     x, ids, w = torch.zeros(2, 64).bfloat16(), torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 2)
     mixed = (expert_words_for_gemv(gate[0]), gate[1], gate[2])
-    with pytest.raises(ValueError, match="one NVFP4 word order"):
+    with pytest.raises(ValueError, match="one NVFP4 layout"):
         ops.moe_experts(x, ids, w, mixed, up, down)
     with pytest.raises(ValueError, match=r"uint8 \[E, 32, 8, 4\]"):     # a 4-D packed of the wrong K
         ops.moe_experts(x, ids, w, (mixed[0][:, :, :4].contiguous(), gate[1], gate[2]), up, down)
@@ -215,7 +270,7 @@ def test_moe_experts_binding_rejects_mixed_word_orders():
     x = torch.randn(1, 256, generator=g).bfloat16().cuda()
     ids = torch.zeros(1, 2, dtype=torch.int32, device="cuda")
     w = torch.ones(1, 2, device="cuda")
-    with pytest.raises(RuntimeError, match="one NVFP4 word order"):
+    with pytest.raises(RuntimeError, match="one NVFP4 layout"):
         torch.ops.atlas.moe_experts(x, ids, w, expert_words_for_gemv(gate[0]), gate[1], gate[2], *up, *down,
                                     None, None, False)
 
@@ -230,10 +285,8 @@ def test_moe_experts_kernel_matches_reference(fmt, t, k, e):
     g = _gen("experts-cuda", fmt, t, k, e)
     inter, h = 512, 2048
     (gate, up, down), _ = _stacks(g, e, inter, h, fmt) if e <= 8 else _stacks(g, 1, inter, h, fmt)
-    if e > 8:   # many experts: tile one random expert stack (keeps the CPU setup fast)
-        rep = lambda s: s.expand(e, *s.shape[1:]).contiguous() if isinstance(s, torch.Tensor) \
-            else tuple(x.expand(e, *x.shape[1:]).contiguous() for x in s)  # noqa: E731
-        gate, up, down = rep(gate), rep(up), rep(down)
+    if e > 8:   # many experts: repeat one random expert (keeps the CPU setup fast)
+        gate, up, down = (_repeat_expert(s, e) for s in (gate, up, down))
     x = torch.randn(t, h, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
     w = torch.rand(t, k, generator=g)
@@ -341,26 +394,47 @@ def test_moe_experts_kernel_token_alone_equals_token_in_80_token_batch(fmt):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4w"])
+@pytest.mark.parametrize("fmt", NVFP4_FMTS)
 def test_moe_experts_kernel_indexed_batch_equals_grouped_batch(fmt):
-    """NVFP4 with T·k ≤ 144 runs one expert-indexed GEMV slot per pair (pair p reads token p / k);
+    """NVFP4 with T·k ≤ 36 runs one expert-indexed GEMV slot per pair (pair p reads token p / k);
     one token more takes the grouped kernels. The shared rows are bitwise the same."""
     g = _gen("experts-indexed-vs-grouped", fmt)
     e, inter, h, k = 24, 512, 2048, 9
     (gate, up, down), _ = _stacks(g, e, inter, h, fmt)
     gate, up, down = _to(gate, "cuda"), _to(up, "cuda"), _to(down, "cuda")
-    x = torch.randn(17, h, generator=g).bfloat16().cuda()
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(17)]).int()
-    ids[3, 4], ids[9, 0] = -1, e                                               # skipped pairs
+    x = torch.randn(5, h, generator=g).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(5)]).int()
+    ids[1, 4], ids[3, 0] = -1, e                                               # skipped pairs
     ids = ids.cuda()
-    w = torch.rand(17, k, generator=g).cuda()
-    grouped = ops.moe_experts(x, ids, w, gate, up, down, out_dtype=torch.bfloat16)           # 153 pairs
-    indexed = ops.moe_experts(x[:16], ids[:16], w[:16], gate, up, down, out_dtype=torch.bfloat16)   # 144
-    assert torch.equal(indexed, grouped[:16])
+    w = torch.rand(5, k, generator=g).cuda()
+    grouped = ops.moe_experts(x, ids, w, gate, up, down, out_dtype=torch.bfloat16)           # 45 pairs
+    indexed = ops.moe_experts(x[:4], ids[:4], w[:4], gate, up, down, out_dtype=torch.bfloat16)   # 36
+    assert torch.equal(indexed, grouped[:4])
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4w"])
+@pytest.mark.parametrize("t", [1, 4, 6, 17, 64, 80])   # indexed, grouped (CTA and warp-streamed), MT = 4
+def test_moe_experts_kernel_tiled_equals_gemv_words(t):
+    """The tiled stacks (per-expert chunk-major) hold the same codes as the GEMV-word stacks and
+    every path sums them in the same order: bitwise equal outputs."""
+    g = _gen("experts-tiled-vs-words", t)
+    e, inter, h, k = 12, 512, 2048, 8
+    (gate, up, down), _ = _stacks(g, e, inter, h, "nvfp4w")
+    words = [_to(s, "cuda") for s in (gate, up, down)]
+    tiled = []
+    for s in (gate, up, down):
+        packed = gemv_word_bits(s[0], inverse=True).flatten(2)                # back to checkpoint words
+        tiled.append(_to((*tile_expert_stack(packed, s[1]), s[2]), "cuda"))
+    assert tiled[0][0].dim() == 4 and tiled[0][0].shape[-1] == 64 and not tiled[0][0].is_contiguous()
+    x = torch.randn(t, h, generator=g).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
+    ids[0, 1] = -1
+    ids, w = ids.cuda(), torch.rand(t, k, generator=g).cuda()
+    assert torch.equal(ops.moe_experts(x, ids, w, *tiled), ops.moe_experts(x, ids, w, *words))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", NVFP4_FMTS)
 @pytest.mark.parametrize("h,inter", [(256, 1024),   # gate_up: 2 chunks per job, ≈ 3 jobs per warp
                                      (2048, 256)])  # down: 2 chunks per job, ≈ 3 jobs per warp
 def test_moe_experts_kernel_warp_streams_cross_jobs(fmt, h, inter):
@@ -398,7 +472,7 @@ def test_moe_experts_kernel_rejects_misaligned_x():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4w"])
+@pytest.mark.parametrize("fmt", NVFP4_FMTS)
 @pytest.mark.parametrize("t", [1, 4])   # 1: the expert-indexed one-row GEMV path
 def test_moe_experts_kernel_graph_replay(fmt, t):
     g = _gen("experts-graph", fmt, t)

@@ -17,7 +17,7 @@ weights f32 [T, k], and the experts run over those index tensors (see `ExpertBan
 whole block is CUDA-graph capturable. On CUDA with BF16 or NVFP4 experts the block is six
 launches: the [router | shared gate] GEMV, moe_route (which also emits the shared expert — stored
 as expert E — as slot k of every row, weight sigmoid(gate)), and moe_experts' kernels (group
-the pairs by expert, gate+up, down, combine; NVFP4 with T·k ≤ 144, e.g. decode batches up to 16
+the pairs by expert, gate+up, down, combine; NVFP4 with T·k ≤ 36, e.g. decode batches up to 4
 at k = 9: no grouping, the expert-indexed one-row GEMV per (token, expert) pair for gate+up and
 down, then the combine — the same bits).
 Precision: expert and shared-expert outputs are BF16 (as
@@ -39,7 +39,7 @@ from atlas import ops
 from atlas._ext import use_kernel
 from atlas.fp8 import FP8_BLOCK
 from atlas.linear import GEMV_MAX_ROWS, Linear, convert_weight, load_linears, load_weight
-from atlas.nvfp4 import dequantize_expert_stack, expert_words_for_gemv
+from atlas.nvfp4 import GEMV_CHUNK_K, dequantize_expert_stack, expert_words_for_gemv, tile_expert_stack
 
 SILU_FUSE_MAX_K = 4096   # down-projection K up to which a multi-row step fuses silu·up (_fuse_silu)
 
@@ -125,8 +125,9 @@ class _Stack:
     """E weights of one role (gate, up or down), all [N, K], stacked in one format:
         bf16:  w [E, N, K] bf16
         nvfp4: packed uint8 [E, N, K/2], block_scale e4m3 [E, N, K/16], global_scale f32 [E];
-               on CUDA packed is derived once into [E, N, K/8, 4], the words in the GEMV bit
-               order (nvfp4.expert_words_for_gemv: what ops.moe_experts reads fastest)
+               on CUDA derived once into what ops.moe_experts reads fastest: the tiled views of
+               nvfp4.tile_expert_stack where N and K are multiples of 128 (every Qwen3.x MoE),
+               else packed [E, N, K/8, 4], the words in the GEMV bit order (expert_words_for_gemv)
         fp8:   w e4m3 [E, N, K], scale_inv f32 [E, ceil(N/128), ceil(K/128)]
     `dense(idx)` dequantizes the experts idx (int64 [R], on the device) to bf16 [R, N, K]."""
 
@@ -136,10 +137,13 @@ class _Stack:
             self.t = (torch.stack(weights),)
         elif weight_format == "nvfp4":
             packed = torch.stack([w.packed for w in weights])   # a copy of our own: re-ordered in place of it
-            if packed.is_cuda:
+            scale = torch.stack([w.block_scale for w in weights])
+            n, k = weights[0].shape
+            if packed.is_cuda and n % GEMV_CHUNK_K == 0 and k % GEMV_CHUNK_K == 0:
+                packed, scale = tile_expert_stack(packed, scale)   # (gate, up and down agree: [I, h], [h, I])
+            elif packed.is_cuda:
                 packed = expert_words_for_gemv(packed)
-            self.t = (packed, torch.stack([w.block_scale for w in weights]),
-                      torch.stack([w.global_scale.reshape(()) for w in weights]))
+            self.t = (packed, scale, torch.stack([w.global_scale.reshape(()) for w in weights]))
         else:
             self.t = (torch.stack([w.weight for w in weights]), torch.stack([w.weight_scale_inv for w in weights]))
         self.num_experts = len(weights)

@@ -7,6 +7,7 @@
 //   driver T...       the same at the given token counts
 //   driver words T... the stacks read as in the GEMV word bit order (MoeExpertsArgs::gemv_words;
 //                     the bytes are random either way, so the timing is valid)
+//   driver tiled T... … and per-expert chunk-major (MoeExpertsArgs::tiled: the layers' layout)
 //
 // Per T: graph-replayed µs per call (20 calls per graph, expert weights rotating over kCopies
 // copies of 455 MB, so no call finds its experts in L2 — at T = 1 a call reads 16 MB, so the
@@ -68,7 +69,8 @@ int main(int argc, char** argv) {
   printf("%-4s %8s %8s %8s %9s\n", "T", "us", "experts", "floor_us", "x_floor");
   std::vector<int> Ts = {1, 4, 8, 16, 24, 32};
   int first = 1;
-  const bool words = argc > 1 && std::string(argv[1]) == "words";
+  const bool tiled = argc > 1 && std::string(argv[1]) == "tiled";
+  const bool words = tiled || (argc > 1 && std::string(argv[1]) == "words");
   if (words) ++first;
   if (argc > first) Ts.clear();
   for (int i = first; i < argc; ++i) Ts.push_back(std::atoi(argv[i]));
@@ -101,7 +103,7 @@ int main(int argc, char** argv) {
       MoeExpertsArgs a{};
       a.x = d_x; a.ids = d_ids; a.weights = d_w;
       a.gate = gate[c].view; a.up = up[c].view; a.down = down[c].view;
-      a.nvfp4 = true; a.gemv_words = words; a.workspace = ws; a.out = d_out;
+      a.nvfp4 = true; a.gemv_words = words; a.tiled = tiled; a.workspace = ws; a.out = d_out;
       a.num_tokens = T; a.top_k = k; a.num_experts = E; a.hidden = h; a.inter = inter;
       return a;
     };
