@@ -125,7 +125,7 @@ def bench_parts(head: MtpHead, b: int, iters: int) -> list[dict]:
         parts["router gemv (F.linear)"] = lambda: ffn.gate_logits(fin)
         parts["moe_route"] = lambda: ops.moe_route(logits, ffn.top_k, ffn.renormalize,
                                                    shared_slot=ffn.experts.has_shared_slot)
-        parts["moe_experts (T·k ≤ 144: gate_up, down, combine; above: + group)"] = lambda: ffn.experts(
+        parts["moe_experts (T·k ≤ 36: gate_up, down, combine; above: + group)"] = lambda: ffn.experts(
             fin, ids, w, path="kernel", out_dtype=torch.bfloat16)
         parts["whole ffn"] = lambda: ffn(fin)
     else:

@@ -1,5 +1,5 @@
 // argmax: greedy token and its top-1 softmax probability for each row of a logits matrix,
-// equal to atlas/reference.py::argmax (ids exactly; prob to float32 rounding).
+// equal to atlas/reference.py::argmax (ids exactly; prob to ≈ 1e-5 relative: ex2.approx, v4).
 //
 //   ids[r]  = min { v : x[r, v] = max_v' x[r, v'] }           (lowest index wins ties)
 //   prob[r] = 1 / Σ_v exp(x[r, v] − max_r)                     (float32 math)
@@ -12,17 +12,20 @@
 //     contiguous bytes per unit; v2 read one logit per thread per load, 64 bytes per warp
 //     instruction). One 16-byte load per unit when rows are 16-byte aligned and the unit lies
 //     inside [0, V), else element loads of the same logits (V = 248 077, odd strides): the
-//     same values in the same registers either way. Each thread takes the max of its 16 and
-//     its first index, then Σ exp(x − max) (v2; v1 kept an online running triple: expf on both
-//     sides of a data-dependent branch, ≈ 2× the instructions); the CTA merges the threads'
-//     triples (warp xor-shuffles, then 8 warp results through shared memory) and writes one
-//     partial per (row, split).
+//     same values in the same registers either way; a chunk wholly inside [0, V) issues all its
+//     loads unconditionally (v4). Each thread takes the max of its 16 (fmaxf), its first
+//     register holding it (selects), then Σ exp(x − max) by ex2.approx, ≈ 8 instructions per
+//     logit (v4; v2–v3: a branch per logit and accurate expf, 39 — issue-bound at R = 32; v1
+//     kept an online running triple: expf on both sides of a data-dependent branch); the CTA
+//     merges the threads' triples (warp xor-shuffles, then 8 warp results through shared
+//     memory) and writes one partial per (row, split).
 //   Merge pass: grid R, one warp per row: lanes merge the S partials in a fixed order, then a
 //     warp xor-shuffle merge; lane 0 writes ids and prob.
 //   merge(a, b): the winner is the larger max, or on equal max the lower index; the loser's
 //   sum is rescaled by exp(max_loser − max_winner). The result depends only on the row (never
 //   on R), so a row's draft is the same whatever batch it was proposed in.
-//   −inf logits (masked vocab) contribute 0; NaN logits make prob NaN (ids then unspecified).
+//   −inf logits (masked vocab) contribute 0; NaN logits never win and make prob NaN (a row
+//   with no finite maximum: its first index).
 //
 // Both kernels are launched with programmatic dependent launch (common/pdl.cuh): each waits for
 // the previous kernel (the LM-head GEMV, then the split pass) before its first global access and
@@ -32,7 +35,8 @@
 //   below the two launches (~2 × 2 µs eager, ~2 × 1 µs in a CUDA graph): at decode sizes this
 //   op is launch-bound by design, and the split pass exists so it stays so at R = 32
 //   (15.9 MB → 3.7 µs floor). Measured (bench/argmax_probe, H200, graph-replayed, bf16 V =
-//   248 320): R = 1 4.13 µs, R = 8 6.4, R = 32 14.2 (v2's element loads: 4.26 / 6.6 / 16.0).
+//   248 320): v4 R = 1 3.26 µs, R = 8 4.59, R = 32 8.63 (v3: 4.40 / 6.43 / 14.2, session 25
+//   call 5; v2's element loads: 4.26 / 6.6 / 16.0).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -57,13 +61,22 @@ struct Best {
   int idx;
 };
 
+// exp(d) as ex2.approx.ftz(d · log2 e): 2 instructions (__expf adds 4 for denormal inputs and
+// results); exactly 1 at d = 0, 0 at d = −inf, NaN at NaN, ≈ 2 ulp elsewhere, results below
+// 2^-126 flushed to 0 (terms of a sum that is ≥ 1).
+__device__ __forceinline__ float exp_approx(float d) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d * 1.4426950408889634f));
+  return y;
+}
+
 __device__ __forceinline__ Best empty_best() { return {-INFINITY, 0.f, INT_MAX}; }
 
 __device__ __forceinline__ Best merge(const Best& a, const Best& b) {
   const bool a_wins = a.m > b.m || (a.m == b.m && a.idx < b.idx);
   const float wm = a_wins ? a.m : b.m, lm = a_wins ? b.m : a.m;
   const float ws = a_wins ? a.s : b.s, ls = a_wins ? b.s : a.s;
-  const float scale = (lm == -INFINITY) ? 0.f : expf(lm - wm);
+  const float scale = (lm == -INFINITY) ? 0.f : exp_approx(lm - wm);   // (v4; was expf)
   return {wm, ws + ls * scale, a_wins ? a.idx : b.idx};
 }
 
@@ -96,43 +109,68 @@ __global__ void __launch_bounds__(kThreads) argmax_split_kernel(
   pdl_launch_dependents();
 
   // 1. each thread loads its units (unit i: logits v0 + (i·256 + t)·kUnit + [0, kUnit), so a warp
-  //    reads 512 contiguous bytes per unit and a thread's logits ascend), all loads issued before
-  //    the dependent math; kVec: one 16-byte load per unit wholly inside [0, V) (rows 16-byte
-  //    aligned), else element loads — the same logits in the same places either way
+  //    reads 512 contiguous bytes per unit and a thread's logits ascend with their register index),
+  //    every load issued before the first use. A chunk wholly inside [0, V) with 16-byte aligned
+  //    rows (`full`, CTA-uniform: all but the last split of a row) takes one unconditional 16-byte
+  //    load per unit; otherwise (the tail, or kVec false) a 16-byte load per unit wholly inside
+  //    [0, V) and element loads for the rest — the same logits in the same registers either way.
+  //    Out-of-range positions hold −inf and form a suffix of the registers: the first n_valid are
+  //    in range.
   float x[kPerThread];
+  const bool full = kVec && v0 + kArgmaxChunk <= vocab;
+  int n_valid = kPerThread;
+  if (full) {
+    uint4 q[kUnits];
 #pragma unroll
-  for (int i = 0; i < kUnits; ++i) {
-    const int64_t u0 = v0 + (static_cast<int64_t>(i) * kThreads + threadIdx.x) * kUnit;
-    if (kVec && u0 + kUnit <= vocab) {
-      const uint4 q = *reinterpret_cast<const uint4*>(row + u0);
-      const T* e = reinterpret_cast<const T*>(&q);
+    for (int i = 0; i < kUnits; ++i) {
+      q[i] = *reinterpret_cast<const uint4*>(row + v0 + (static_cast<int64_t>(i) * kThreads + threadIdx.x) * kUnit);
+    }
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) {
+      const T* e = reinterpret_cast<const T*>(&q[i]);
 #pragma unroll
       for (int j = 0; j < kUnit; ++j) x[i * kUnit + j] = load_logit(e + j);
-    } else {
+    }
+  } else {
+    n_valid = 0;
 #pragma unroll
-      for (int j = 0; j < kUnit; ++j) x[i * kUnit + j] = u0 + j < vocab ? load_logit(row + u0 + j) : -INFINITY;
+    for (int i = 0; i < kUnits; ++i) {
+      const int64_t u0 = v0 + (static_cast<int64_t>(i) * kThreads + threadIdx.x) * kUnit;
+      if (kVec && u0 + kUnit <= vocab) {
+        const uint4 q = *reinterpret_cast<const uint4*>(row + u0);
+        const T* e = reinterpret_cast<const T*>(&q);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) x[i * kUnit + j] = load_logit(e + j);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) x[i * kUnit + j] = u0 + j < vocab ? load_logit(row + u0 + j) : -INFINITY;
+      }
+      const int64_t left = vocab - u0;   // in-range logits of this unit: clamp(left, 0, kUnit)
+      n_valid += left <= 0 ? 0 : left >= kUnit ? kUnit : static_cast<int>(left);
     }
   }
-  // Two passes over the registers (v2): the max and its first index by compares alone, then
-  // Σ exp(x − max) — one expf per logit and no divergent branch (v1's online push rescaled the
-  // sum on every new maximum, expf on both sides of a data-dependent branch).
-  Best b = empty_best();
+  // v4: branch-free, the index computed once, ≈ 8 instructions per logit (v3: one branch per
+  // logit — strict > with an "all −inf so far" arm — and accurate expf, 39 instructions per
+  // logit: the split pass issue-bound at 79%, ncu R = 32). The max by fmaxf (a NaN never wins:
+  // fmaxf returns the other operand); its first register by selects from the back (registers past
+  // n_valid hold −inf, which never equals a finite max); m = −inf: the first in-range register
+  // (v1–v3's rule). Σ exp(x − m) by ex2.approx (exp_approx: exactly 1 at x = m, ≈ 2 ulp elsewhere);
+  // against m' = 0 when m = −inf, so −inf terms are 0 and NaN terms stay NaN.
+  float m = -INFINITY;
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int64_t v = v0 + (static_cast<int64_t>(i / kUnit) * kThreads + threadIdx.x) * kUnit + i % kUnit;
-    if (v >= vocab) continue;
-    if (x[i] > b.m) {                    // strict >: the first of equal maxima wins
-      b.m = x[i];
-      b.idx = static_cast<int>(v);
-    } else if (b.idx == INT_MAX) {       // all −inf so far: still report the first index
-      b.idx = static_cast<int>(v);
-    }
-  }
+  for (int i = 0; i < kPerThread; ++i) m = fmaxf(m, x[i]);
+  int first = kPerThread;
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const float e = expf(x[i] - b.m);                      // out-of-range lanes hold −inf
-    b.s += (x[i] == -INFINITY) ? 0.f : e;                  // (and b.m = −inf would make NaN)
+  for (int i = kPerThread - 1; i >= 0; --i) first = x[i] == m ? i : first;
+  if (m == -INFINITY) first = n_valid > 0 ? 0 : kPerThread;
+  Best b{m, 0.f, INT_MAX};
+  if (first < kPerThread) {
+    b.idx = static_cast<int>(v0 + (static_cast<int64_t>(first / kUnit) * kThreads + threadIdx.x) * kUnit +
+                             first % kUnit);
   }
+  const float m_sub = m == -INFINITY ? 0.f : m;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) b.s += exp_approx(x[i] - m_sub);
 
   // 2. CTA merge: warps, then the 8 warp results
   __shared__ Best warp_best[kThreads / 32];

@@ -120,6 +120,21 @@ def test_argmax_kernel_masked_and_strided():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_kernel_nan_never_wins(dtype):
+    """A NaN logit never wins and makes prob NaN; an all-NaN row picks index 0 (the rule for
+    rows with no finite maximum) — in a full split chunk and in the tail chunk."""
+    x = torch.randn(3, 9000).to(dtype)
+    x[0, 5] = float("nan")
+    x[0, 7000] = 50.0
+    x[1, 8999] = float("nan")
+    x[1, 8000] = 50.0
+    x[2] = float("nan")
+    ids, prob = ops.argmax(x.cuda())
+    assert ids.tolist() == [7000, 8000, 0] and prob.isnan().all()
+
+
+@pytest.mark.cuda
 def test_argmax_kernel_graph_replay():
     x = torch.randn(8, 50000, device="cuda")
     ops.argmax(x)

@@ -5,16 +5,20 @@
 // also V = 248 077 with an odd row stride, the element-load path): graph-replayed µs per call
 // (20 calls per graph on the same logits, left in L2 as the LM-head GEMV leaves them in a
 // propose), beside R·V·elem / 4.2 TB/s (the DRAM floor; from L2 the bytes cost less).
+//   driver      every dtype, V and R above
+//   driver R    bf16, V = 248 320, R rows only (one configuration: for ncu)
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "../probe_common.cuh"
 #include "argmax.h"
 
 using namespace atlas;
 
-int main() {
+int main(int argc, char** argv) {
+  const int only_rows = argc > 1 ? std::atoi(argv[1]) : 0;
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   printf("%-6s %7s %7s %4s %8s %9s\n", "dtype", "V", "stride", "R", "us", "floor_us");
@@ -22,6 +26,7 @@ int main() {
     for (const int64_t vocab : {248320, 248077}) {
       const int64_t stride = vocab == 248320 ? vocab : vocab + 3;   // odd: unaligned rows
       for (const int rows : {1, 8, 32}) {
+        if (only_rows > 0 && (elem != 2 || vocab != 248320 || rows != only_rows)) continue;
         uint8_t* logits;
         float* partials;
         int64_t* ids;
