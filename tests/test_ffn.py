@@ -192,20 +192,18 @@ def test_moe_gather_and_dense_paths_agree(t):
 
 
 @pytest.mark.parametrize("path", ["gather", "dense", "kernel"])
-def test_moe_expert_stacks_in_gemv_word_order_cpu(path):
-    """On CUDA the expert banks hold NVFP4 stacks in the GEMV word order ([E, N, K/8, 4],
-    nvfp4.expert_words_for_gemv); every path reads them as the same weights: bitwise the
-    checkpoint order's result (the torch paths decode through _Stack.dense, the kernel path's CPU
-    reference through ops)."""
-    from atlas.nvfp4 import expert_words_for_gemv
-    g = _gen("gemv-words", path)
-    cfg = _moe_cfg(e=8, k=2)
+@pytest.mark.parametrize("inter", [128, 96])   # 128: tiled stacks; 96: GEMV words (K % 128 != 0)
+def test_moe_expert_stacks_in_kernel_layout_cpu(path, inter):
+    """_Stack.kernel_layout (what the banks derive on CUDA): every path reads the stacks as the
+    same weights — bitwise the checkpoint order's result."""
+    g = _gen("kernel-layout", path, inter)
+    cfg = _moe_cfg(h=256, e=8, k=2, inter=inter)
     moe = build_ffn(cfg, _moe_state_dict(g, cfg, "bf16", True), "mlp.", "nvfp4", "cpu")
     x = _rand(g, 5, cfg.hidden_size)
     want = moe(x, path=path)
     for stack in (moe.experts.gate, moe.experts.up, moe.experts.down):
-        stack.t = (expert_words_for_gemv(stack.t[0]),) + stack.t[1:]
-    assert moe.experts.gate.t[0].dim() == 4
+        stack.t = stack.kernel_layout(*stack.t[:2]) + stack.t[2:]
+    assert moe.experts.gate.t[0].shape[-1] == (64 if inter % 128 == 0 else 4)
     assert torch.equal(moe(x, path=path), want)
 
 
@@ -250,9 +248,10 @@ def test_bad_weight_format_is_named():
 @pytest.mark.cuda
 @pytest.mark.parametrize("weight_format", FORMATS)
 @pytest.mark.parametrize("t", [1, 8, 32])
-def test_sparse_moe_cuda_matches_cpu(weight_format, t):
-    g = _gen("moe-cuda", weight_format, t)
-    cfg = _moe_cfg(h=256, e=64, k=8, inter=64, shared=64)
+@pytest.mark.parametrize("inter", [64, 128])   # NVFP4 on CUDA: GEMV-word | tiled stacks
+def test_sparse_moe_cuda_matches_cpu(weight_format, t, inter):
+    g = _gen("moe-cuda", weight_format, t, inter)
+    cfg = _moe_cfg(h=256, e=64, k=8, inter=inter, shared=inter)
     sd = _moe_state_dict(g, cfg, "bf16", True)
     x = _rand(g, t, cfg.hidden_size)
     cpu = build_ffn(cfg, sd, "mlp.", weight_format, "cpu")

@@ -138,16 +138,23 @@ class _Stack:
         elif weight_format == "nvfp4":
             packed = torch.stack([w.packed for w in weights])   # a copy of our own: re-ordered in place of it
             scale = torch.stack([w.block_scale for w in weights])
-            n, k = weights[0].shape
-            if packed.is_cuda and n % GEMV_CHUNK_K == 0 and k % GEMV_CHUNK_K == 0:
-                packed, scale = tile_expert_stack(packed, scale)   # (gate, up and down agree: [I, h], [h, I])
-            elif packed.is_cuda:
-                packed = expert_words_for_gemv(packed)
+            if packed.is_cuda:
+                packed, scale = self.kernel_layout(packed, scale)
             self.t = (packed, scale, torch.stack([w.global_scale.reshape(()) for w in weights]))
         else:
             self.t = (torch.stack([w.weight for w in weights]), torch.stack([w.weight_scale_inv for w in weights]))
         self.num_experts = len(weights)
         self.shape = tuple(weights[0].shape)
+
+    @staticmethod
+    def kernel_layout(packed: Tensor, block_scale: Tensor) -> tuple[Tensor, Tensor]:
+        """An NVFP4 stack (checkpoint words) → the form ops.moe_experts streams fastest: the tiled
+        views where N and K are multiples of 128 (gate, up and down agree: [I, h], [h, I]), else
+        the words in the GEMV bit order with the scales as they are."""
+        _, n, half_k = packed.shape
+        if n % GEMV_CHUNK_K == 0 and (2 * half_k) % GEMV_CHUNK_K == 0:
+            return tile_expert_stack(packed, block_scale)
+        return expert_words_for_gemv(packed), block_scale
 
     @classmethod
     def from_dense(cls, w: Tensor, weight_format: str, device, extra: list = ()) -> "_Stack":
