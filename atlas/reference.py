@@ -315,9 +315,10 @@ def argmax(logits: torch.Tensor):
 
     logits [R, V] bf16 | f32 → (ids int64 [R], prob float32 [R]).
     ids[r] = the lowest index among the maxima of row r (torch.argmax returns the first one);
+    NaN logits never win (a row with no other value: index 0) and make prob NaN;
     prob[r] = 1 / Σ_v exp(logits[r, v] − max_r) = softmax(logits[r])[ids[r]], float32 math."""
     x = logits.float()
-    ids = torch.argmax(x, dim=-1)
+    ids = torch.argmax(x.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")), dim=-1)
     m = x.gather(-1, ids.unsqueeze(-1))
     prob = 1.0 / torch.exp(x - m).sum(dim=-1)
     return ids.to(torch.int64), prob.to(torch.float32)

@@ -119,18 +119,27 @@ def test_argmax_kernel_masked_and_strided():
     assert torch.equal(ops.argmax(y[:, :200])[0], y[:, :200].argmax(-1))
 
 
+def _nan_logits(dtype):
+    x = torch.randn(3, 9000).to(dtype)
+    x[0, 5] = float("nan")        # in a full split chunk of the kernel
+    x[0, 7000] = 50.0
+    x[1, 8999] = float("nan")     # in the tail chunk
+    x[1, 8000] = 50.0
+    x[2] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_nan_never_wins(dtype):
+    """A NaN logit never wins and makes prob NaN; an all-NaN row picks index 0."""
+    ids, prob = ops.argmax(_nan_logits(dtype))
+    assert ids.tolist() == [7000, 8000, 0] and prob.isnan().all()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_argmax_kernel_nan_never_wins(dtype):
-    """A NaN logit never wins and makes prob NaN; an all-NaN row picks index 0 (the rule for
-    rows with no finite maximum) — in a full split chunk and in the tail chunk."""
-    x = torch.randn(3, 9000).to(dtype)
-    x[0, 5] = float("nan")
-    x[0, 7000] = 50.0
-    x[1, 8999] = float("nan")
-    x[1, 8000] = 50.0
-    x[2] = float("nan")
-    ids, prob = ops.argmax(x.cuda())
+    ids, prob = ops.argmax(_nan_logits(dtype).cuda())
     assert ids.tolist() == [7000, 8000, 0] and prob.isnan().all()
 
 
