@@ -7,6 +7,7 @@ Layout (DESIGN "Formats", fixed): W[N, K], K % 16 == 0
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -190,18 +191,28 @@ def _gemv_word_moves() -> list[tuple[int, int, int]]:
     return moves
 
 
+@functools.lru_cache(maxsize=None)
+def _gemv_word_luts(inverse: bool) -> Tensor:
+    """int32 [4, 256]: entry [i, v] = the output word bits that byte i of a word with value v
+    sets (the bit moves of _gemv_word_moves, or their inverse); a word maps to the OR of its
+    four bytes' entries."""
+    lut = [[0] * 256 for _ in range(4)]
+    for src, _, dst in _gemv_word_moves():
+        if inverse:
+            src, dst = dst, src
+        for v in range(256):
+            if (v >> (src % 8)) & 1:
+                lut[src // 8][v] |= 1 << dst
+    return torch.tensor([[x - (1 << 32) if x >= 1 << 31 else x for x in row] for row in lut], dtype=torch.int32)
+
+
 def gemv_word_bits(packed: Tensor, inverse: bool = False) -> Tensor:
     """uint8 [..., 4j] checkpoint packing → the same codes in the tiled word bit order above
     (little-endian 32-bit words); inverse=True maps that order back to the checkpoint's."""
-    words = packed.reshape(-1, 4).to(torch.int64)
-    w = words[:, 0] | (words[:, 1] << 8) | (words[:, 2] << 16) | (words[:, 3] << 24)
-    out = torch.zeros_like(w)
-    for src, mask, dst in _gemv_word_moves():
-        if inverse:
-            src, dst = dst, src
-        out |= ((w >> src) & mask) << dst
-    b = torch.stack([(out >> (8 * j)) & 0xFF for j in range(4)], dim=1).to(torch.uint8)
-    return b.reshape(packed.shape)
+    lut = _gemv_word_luts(inverse).to(packed.device)
+    b = packed.reshape(-1, 4).long()
+    w = lut[0][b[:, 0]] | lut[1][b[:, 1]] | lut[2][b[:, 2]] | lut[3][b[:, 3]]
+    return w.view(torch.uint8).reshape(packed.shape)   # little-endian: byte j of word = bits 8j..8j+7
 
 
 def tile_for_gemv(q: "NVFP4Weight") -> tuple[Tensor, Tensor]:
@@ -290,8 +301,11 @@ def dequantize_expert_stack(packed: Tensor, block_scale: Tensor, global_scale: T
         packed = gemv_word_bits(packed, inverse=True).flatten(2)
     e, n, half_k = packed.shape
     lut = reference.e2m1_lut(packed.device)
-    vals = torch.stack([lut[(packed & 0xF).long()], lut[(packed >> 4).long()]], dim=-1).view(e, n, -1, 16)
-    return (vals * block_scale.float().unsqueeze(-1) * global_scale.view(e, 1, 1, 1)).view(e, n, 2 * half_k)
+    byte = torch.arange(256, device=packed.device)
+    pairs = torch.stack([lut[byte & 0xF], lut[byte >> 4]], dim=-1)   # [256, 2]: a byte's (low, high) code values
+    vals = pairs[packed.long()].view(e, n, -1, 16)
+    vals.mul_(block_scale.float().unsqueeze(-1)).mul_(global_scale.float().view(e, 1, 1, 1))   # (v·s)·g, in place
+    return vals.view(e, n, 2 * half_k)
 
 
 def _checked_global_scale(op: str, name: str, t: Tensor) -> Tensor:

@@ -1203,6 +1203,21 @@ def _expert_stack(op: str, name: str, s, shape_nk, device):
     return (packed, scale, gs), layout
 
 
+def _used_experts(stacks: tuple, ids: Tensor) -> tuple[tuple, Tensor]:
+    """The stacks cut to the experts ids names (in ascending id order) and ids renumbered to
+    match (−1 for ids outside [0, E): they still contribute nothing). Same results, a fraction
+    of the dequantization when T·k ≪ E."""
+    e = stacks[0][0].shape[0]
+    valid = (ids >= 0) & (ids < e)
+    used = torch.unique(ids[valid].long())
+    if used.numel() == 0:   # keep one expert: the reference indexes the stacks even for skipped pairs
+        used = used.new_zeros(1)
+    remap = torch.full((e,), -1, dtype=ids.dtype)
+    remap[used] = torch.arange(used.numel(), dtype=ids.dtype)
+    ids = torch.where(valid, remap[ids.long().clamp(0, e - 1)], torch.full_like(ids, -1))
+    return tuple(tuple(t.index_select(0, used) for t in s) for s in stacks), ids
+
+
 def _dense_stack(t: tuple) -> Tensor:
     if len(t) == 1:
         return t[0]
@@ -1291,6 +1306,8 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate, up, down, *, shar
         # the kernel groups the pairs by expert itself (csrc/moe_experts.cu: no torch sort)
         return torch.ops.atlas.moe_experts(x, ids, weights, g[0], *s4, shared, shared_gate,
                                            out_dtype == torch.bfloat16)
+    if x.device.type == "cpu":   # dequantize only the experts the ids name (host-side: the CPU path)
+        (g, u, d), ids = _used_experts((g, u, d), ids)
     out = reference.moe_experts(x, ids, weights, _dense_stack(g), _dense_stack(u), _dense_stack(d))
     if shared is not None:
         out = out + torch.sigmoid(shared_gate.float()).unsqueeze(-1) * shared.float()

@@ -374,16 +374,18 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate:
     d = bf16(W_down[e]·a); out[t] = Σ_j weights[t, j]·d in float32, slot order."""
     def rnd(v):
         return v.to(torch.bfloat16).float()
+    t, k = ids.shape
     e_count = gate.shape[0]
-    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
     xf = x.float()
-    for j in range(ids.shape[1]):
-        e = ids[:, j].long()
-        valid = ((e >= 0) & (e < e_count)).float().unsqueeze(-1)
-        e = e.clamp(0, e_count - 1)
-        g = rnd(torch.einsum("tnk,tk->tn", gate[e].float(), xf))
-        u = rnd(torch.einsum("tnk,tk->tn", up[e].float(), xf))
+    d = torch.zeros(t, k, down.shape[1], dtype=torch.float32, device=x.device)   # d of every pair (0: skipped)
+    ids = ids.long()
+    for e in torch.unique(ids[(ids >= 0) & (ids < e_count)]).tolist():   # one expert at a time, all its pairs
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        g = rnd(xf[rows] @ gate[e].float().T)
+        u = rnd(xf[rows] @ up[e].float().T)
         a = rnd(g / (1.0 + torch.exp(-g)) * u)
-        d = rnd(torch.einsum("tnk,tk->tn", down[e].float(), a))
-        out = out + weights[:, j:j + 1].float() * d * valid
+        d[rows, slots] = rnd(a @ down[e].float().T)
+    out = torch.zeros(t, down.shape[1], dtype=torch.float32, device=x.device)
+    for j in range(k):
+        out = out + weights[:, j:j + 1].float() * d[:, j]
     return out

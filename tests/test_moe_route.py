@@ -167,6 +167,15 @@ def test_moe_experts_reference_semantics(fmt):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_moe_experts_cpu_all_ids_invalid(fmt):
+    """Every id outside [0, E): zeros (the CPU path cuts the stacks to the named experts)."""
+    (gate, up, down), _ = _stacks(_gen("experts-none", fmt), 3, 32, 64, fmt)
+    ids = torch.tensor([[3, -1], [7, 3]], dtype=torch.int32)
+    out = ops.moe_experts(torch.randn(2, 64).bfloat16(), ids, torch.rand(2, 2), gate, up, down)
+    assert torch.equal(out, torch.zeros(2, 64))
+
+
 def test_moe_experts_rejects():
     x = torch.zeros(2, 64).bfloat16()
     ids = torch.zeros(2, 2, dtype=torch.int32)
