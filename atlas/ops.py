@@ -1210,7 +1210,7 @@ def _used_experts(stacks: tuple, ids: Tensor) -> tuple[tuple, Tensor]:
     e = stacks[0][0].shape[0]
     valid = (ids >= 0) & (ids < e)
     used = torch.unique(ids[valid].long())
-    if used.numel() == 0:   # keep one expert: the reference indexes the stacks even for skipped pairs
+    if used.numel() == 0:   # keep one expert: the dequantizers cannot reshape an empty stack
         used = used.new_zeros(1)
     remap = torch.full((e,), -1, dtype=ids.dtype)
     remap[used] = torch.arange(used.numel(), dtype=ids.dtype)
