@@ -111,12 +111,26 @@ def bench_parts(head: MtpHead, b: int, iters: int) -> list[dict]:
     a = head.attn(xn, meta, head.cache, 0)
     fin = ops.rms_norm(a, head.post_attention_layernorm, eps, zc, residual=x.clone())
     ffn = head.ffn
+    # the attention layer's launches one by one (its __call__: projections, qk_norm_rope with the
+    # KV write, the gated paged decode, o_proj)
+    attn = head.attn
+    kc, vc, ks, vs = head.cache.layer(0)
+    q, gate, k, v = attn._project_qkv(xn)
+    qn = ops.qk_norm_rope(q, k, v, attn.q_norm_weight, attn.k_norm_weight, meta.positions, kc, vc,
+                          meta.slot_mapping, ks, vs, **attn.norm_kwargs)
+    o = attn._attend(qn, gate, meta, kc, vc, ks, vs).reshape(b, -1)
     parts = {
         "embedding_norm_concat": lambda: ops.embedding_norm_concat(head.embed_tokens, tok, hid, head.norm_embedding,
                                                                    head.norm_hidden, eps, zc),
         "fc (gemv)": lambda: head.fc(x0),
         "input rms_norm": lambda: ops.rms_norm(x, head.input_layernorm, eps, zc),
         "attention layer": lambda: head.attn(xn, meta, head.cache, 0),
+        "  attention: projections": lambda: attn._project_qkv(xn),
+        "  attention: qk_norm_rope + KV write": lambda: ops.qk_norm_rope(
+            q, k, v, attn.q_norm_weight, attn.k_norm_weight, meta.positions, kc, vc, meta.slot_mapping, ks, vs,
+            **attn.norm_kwargs),
+        "  attention: paged decode (gated)": lambda: attn._attend(qn, gate, meta, kc, vc, ks, vs),
+        "  attention: o_proj": lambda: attn.o_proj(o),
         "residual + rms_norm": lambda: ops.rms_norm(a, head.post_attention_layernorm, eps, zc, residual=x),
     }
     if hasattr(ffn, "gate_logits"):
