@@ -1153,9 +1153,10 @@ def _(table, ids, hidden, w_embed, w_hidden, eps, zero_centered):
 def _tiled_view_ok(t: Tensor, n: int, k: int, b: int) -> bool:
     """t is [E, n, k/128, b] with strides (n·k/128·b, b, n·b, 1) (any stride on a size-1 dim):
     nvfp4.tile_expert_stack's views."""
-    c = k // 128
+    from atlas.nvfp4 import GEMV_CHUNK_K   # (nvfp4 imports this module)
+    c = k // GEMV_CHUNK_K
     want = (n * c * b, b, n * b, 1)
-    return (t.dim() == 4 and k % 128 == 0 and tuple(t.shape[1:]) == (n, c, b)
+    return (t.dim() == 4 and k % GEMV_CHUNK_K == 0 and tuple(t.shape[1:]) == (n, c, b)
             and all(size == 1 or st == w for size, st, w in zip(t.shape, t.stride(), want)))
 
 
@@ -1172,9 +1173,10 @@ def _expert_stack(op: str, name: str, s, shape_nk, device):
     if not (isinstance(s, (tuple, list)) and len(s) == 3):
         raise TypeError(f"{op}: {name} must be a bf16 tensor or a (packed, block_scale, global_scale) tuple")
     n, k = shape_nk
+    from atlas.nvfp4 import is_tiled_expert_stack   # (nvfp4 imports this module)
     packed, scale, gs = s
     layout = "words"
-    if isinstance(packed, Tensor) and packed.dim() == 4 and packed.shape[-1] == 64:   # tile_expert_stack
+    if isinstance(packed, Tensor) and is_tiled_expert_stack(packed):
         layout = "tiled"
         what = f"uint8 [E, {n}, {k // 128}, 64] (tile_expert_stack's view)"
         check_tensor(op, f"{name}[0]", packed, dtype=torch.uint8, device=device, what=what)
