@@ -948,7 +948,7 @@ def _(x, gate):
     return x.new_empty(x.shape)
 
 
-# ---- argmax / moe_route / embedding (MTP work) ---------------------------------------------
+# ---- argmax / moe_route / moe_router / embedding (MTP work) ---------------------------------------------
 
 ARGMAX_CHUNK = 4096  # logits per CTA in the split pass; must equal atlas::kArgmaxChunk (csrc/argmax.h)
 MAX_GRID_ROWS = 65535  # argmax rows / embedding ids: one CUDA grid.y index each
@@ -1056,6 +1056,81 @@ def _moe_route_kernel(logits: Tensor, top_k: int, renormalize: bool, shared_slot
 def _(logits, top_k, renormalize, shared_slot):
     t, k = logits.shape[0], top_k + (1 if shared_slot else 0)
     return (logits.new_empty(t, k, dtype=torch.int32), logits.new_empty(t, k, dtype=torch.float32))
+
+
+MOE_ROUTER_TOKEN_TILE = 16   # tokens per 8-CTA cluster (csrc/moe_router.cu); grid.y ≤ 65535 tiles
+
+
+def moe_router(x: Tensor, gates: Tensor, top_k: int, renormalize: bool = True, *,
+               num_experts: Optional[int] = None, shared_slot: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """The MoE router from the hidden states in one launch: router GEMV, then moe_route's
+    selection (softmax over E in float32, top-k, lowest index first among equal logits).
+
+    Args:
+        x: [T, h] bf16, h % 8 == 0 (a non-contiguous or misaligned x is copied).
+        gates: [R, h] bf16 contiguous: the E router rows, or E + 1 with the shared-expert gate
+            row last (SparseMoE's [router | shared gate] matrix).
+        top_k: experts per token, 1 ≤ top_k ≤ min(E, 32) (< 32 with shared_slot).
+        renormalize: divide the k weights by their sum (Qwen3 `norm_topk_prob`); default True.
+        num_experts: E, the rows routed over (default R − shared_slot); R must be E or E + 1.
+        shared_slot: also emit slot k = (id E, weight sigmoid(logit of row E)), as moe_route.
+    Returns:
+        logits bf16 [T, R] = F.linear(x, gates) to float32 summation order (every row's logit,
+        the shared gate's included), ids int32 [T, k (+1)], weights float32 [T, k (+1)]; ids and
+        weights equal moe_route(logits) exactly (the same device code on CUDA).
+    Raises:
+        TypeError: wrong dtype or top_k not an int. ValueError: wrong shapes, E, top_k, h.
+    Example:
+        >>> logits, ids, w = moe_router(x, moe.gates, 8, shared_slot=True)   # 35B-A3B: R = 257
+    """
+    op = "moe_router"
+    check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=2, what="bf16 [T, h]")
+    check_tensor(op, "gates", gates, dtype=torch.bfloat16, ndim=2, device=x.device, what="bf16 [R, h]")
+    t, h = x.shape
+    r = gates.shape[0]
+    if gates.shape[1] != h:
+        raise ValueError(f"{op}: gates must be [R, h = {h}] like x, got shape {list(gates.shape)}")
+    if h < 8 or h % 8:
+        raise ValueError(f"{op}: x must have h ≥ 8, a multiple of 8, got shape {list(x.shape)}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool):
+        raise TypeError(f"{op}: top_k must be an int, got {type(top_k).__name__}")
+    e = r - int(bool(shared_slot)) if num_experts is None else num_experts
+    if not isinstance(e, int) or isinstance(e, bool) or not 1 <= e <= MOE_ROUTE_MAX_EXPERTS:
+        raise ValueError(f"{op}: num_experts must be in [1, {MOE_ROUTE_MAX_EXPERTS}], got {e}")
+    if r not in (e, e + 1) or (shared_slot and r != e + 1):
+        raise ValueError(f"{op}: gates must have R = E{' + 1' if shared_slot else ' or E + 1'} rows "
+                         f"(E = {e}{', shared_slot' if shared_slot else ''}), got R = {r}")
+    if shared_slot and top_k >= MOE_ROUTE_MAX_TOP_K:
+        raise ValueError(f"{op}: top_k must be < {MOE_ROUTE_MAX_TOP_K} with shared_slot, got {top_k}")
+    if not 1 <= top_k <= min(e, MOE_ROUTE_MAX_TOP_K):
+        raise ValueError(f"{op}: top_k must be in [1, {min(e, MOE_ROUTE_MAX_TOP_K)}] for E = {e}, got {top_k}")
+    if -(-t // MOE_ROUTER_TOKEN_TILE) > MAX_GRID_ROWS:
+        raise ValueError(f"{op}: x must have at most {MAX_GRID_ROWS * MOE_ROUTER_TOKEN_TILE} rows, got {t}")
+    if not gates.is_contiguous():
+        raise ValueError(f"{op}: gates must be contiguous, got strides {gates.stride()}")
+    if use_kernel(x):
+        return torch.ops.atlas.moe_router(_gemv_ready(x), _gemv_ready(gates), top_k, bool(renormalize), e,
+                                          bool(shared_slot))
+    return reference.moe_router(x, gates, top_k, bool(renormalize), e, bool(shared_slot))
+
+
+@torch.library.custom_op("atlas::moe_router", mutates_args=())
+def _moe_router_kernel(x: Tensor, gates: Tensor, top_k: int, renormalize: bool, num_experts: int,
+                       shared_slot: bool) -> tuple[Tensor, Tensor, Tensor]:
+    t, k = x.shape[0], top_k + (1 if shared_slot else 0)
+    logits = torch.empty(t, gates.shape[0], dtype=torch.bfloat16, device=x.device)
+    ids = torch.empty(t, k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
+    if t > 0:
+        _C.moe_router(x, gates, logits, ids, weights, num_experts, renormalize, shared_slot)
+    return logits, ids, weights
+
+
+@_moe_router_kernel.register_fake
+def _(x, gates, top_k, renormalize, num_experts, shared_slot):
+    t, k = x.shape[0], top_k + (1 if shared_slot else 0)
+    return (x.new_empty(t, gates.shape[0]), x.new_empty(t, k, dtype=torch.int32),
+            x.new_empty(t, k, dtype=torch.float32))
 
 
 def embedding(table: Tensor, ids: Tensor) -> Tensor:

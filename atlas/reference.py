@@ -348,6 +348,20 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool = True, shared
     return order.to(torch.int32), w.to(torch.float32)
 
 
+def moe_router(x: torch.Tensor, gates: torch.Tensor, top_k: int, renormalize: bool = True,
+               num_experts: int | None = None, shared_slot: bool = False):
+    """MoE router from the hidden states: logits = F.linear(x, gates) (bf16 in, float32 sums, one
+    bf16 rounding), then moe_route over them.
+
+    x [T, h] bf16, gates [R, h] bf16 (R = E router rows, or E + 1 with the shared-expert gate row
+    last) → (logits bf16 [T, R], ids int32 [T, k (+1)], weights float32 [T, k (+1)]).
+    num_experts: E (default R − shared_slot); shared_slot as in moe_route (needs R = E + 1)."""
+    e = gates.shape[0] - int(shared_slot) if num_experts is None else num_experts
+    logits = torch.nn.functional.linear(x, gates)
+    ids, weights = moe_route(logits[:, :e + int(shared_slot)], top_k, renormalize, shared_slot)
+    return logits, ids, weights
+
+
 def embedding(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Gather rows: table [V, h], ids int32|int64 [T] in [0, V) → [T, h] (same dtype, exact)."""
     return table.index_select(0, ids.long())

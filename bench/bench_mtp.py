@@ -134,11 +134,12 @@ def bench_parts(head: MtpHead, b: int, iters: int) -> list[dict]:
         "residual + rms_norm": lambda: ops.rms_norm(a, head.post_attention_layernorm, eps, zc, residual=x),
     }
     if hasattr(ffn, "gate_logits"):
+        slot = ffn.experts.has_shared_slot
         logits = ffn.gate_logits(fin)
-        ids, w = ops.moe_route(logits, ffn.top_k, ffn.renormalize, shared_slot=ffn.experts.has_shared_slot)
-        parts["router gemv (F.linear)"] = lambda: ffn.gate_logits(fin)
-        parts["moe_route"] = lambda: ops.moe_route(logits, ffn.top_k, ffn.renormalize,
-                                                   shared_slot=ffn.experts.has_shared_slot)
+        _, ids, w = ffn.route(fin, shared_slot=slot)
+        parts["moe_router (router gemv + top-k, one launch)"] = lambda: ffn.route(fin, shared_slot=slot)
+        parts["  unfused: router gemv (F.linear)"] = lambda: ffn.gate_logits(fin)
+        parts["  unfused: moe_route"] = lambda: ops.moe_route(logits, ffn.top_k, ffn.renormalize, shared_slot=slot)
         parts["moe_experts (T·k ≤ 36: gate_up, down, combine; above: + group)"] = lambda: ffn.experts(
             fin, ids, w, path="kernel", out_dtype=torch.bfloat16)
         parts["whole ffn"] = lambda: ffn(fin)

@@ -14,6 +14,7 @@
 #include "argmax.h"
 #include "embedding.h"
 #include "moe_route.h"
+#include "moe_router.h"
 #include "moe_experts.h"
 #include "paged_decode.h"
 #include "w4a16_gemv.h"
@@ -504,6 +505,35 @@ void argmax(const torch::Tensor& logits,     // [R, V] bf16|f32, inner dim conti
   check_cuda(atlas::launch_argmax(a, current_stream(logits)), "argmax");
 }
 
+void moe_router(const torch::Tensor& x,       // [T, h] bf16, contiguous, 16-byte aligned
+                const torch::Tensor& gates,   // [R, h] bf16, contiguous, 16-byte aligned (R = E | E + 1)
+                torch::Tensor& logits,        // [T, R] bf16 (out)
+                torch::Tensor& ids,           // [T, k (+1)] int32 (out)
+                torch::Tensor& weights,       // [T, k (+1)] f32 (out)
+                int64_t num_experts, bool renormalize, bool shared_slot) {
+  CHECK_CUDA_TENSOR(x); CHECK_CUDA_TENSOR(gates); CHECK_CONTIGUOUS(x); CHECK_CONTIGUOUS(gates);
+  CHECK_CONTIGUOUS(logits); CHECK_CONTIGUOUS(ids); CHECK_CONTIGUOUS(weights);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "moe_router: x must be bf16 [T, h]");
+  TORCH_CHECK(gates.dim() == 2 && gates.scalar_type() == torch::kBFloat16 && gates.size(1) == x.size(1),
+              "moe_router: gates must be bf16 [R, h] with x's h");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(gates.data_ptr()) % 16 == 0,
+              "moe_router: x and gates must start 16-byte aligned");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == x.size(0) && logits.size(1) == gates.size(0) &&
+              logits.scalar_type() == torch::kBFloat16, "moe_router: logits must be bf16 [T, R]");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == torch::kInt32,
+              "moe_router: ids must be int32 [T, k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "moe_router: weights must be f32 [T, k]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  atlas::MoeRouterArgs a{};
+  a.x = x.data_ptr(); a.gates = gates.data_ptr();
+  a.num_tokens = x.size(0); a.hidden = static_cast<int>(x.size(1)); a.rows = static_cast<int>(gates.size(0));
+  a.num_experts = static_cast<int>(num_experts);
+  a.top_k = static_cast<int>(ids.size(1)) - (shared_slot ? 1 : 0);
+  a.renormalize = renormalize; a.shared_slot = shared_slot;
+  a.logits = logits.data_ptr(); a.ids = ids.data_ptr<int32_t>(); a.weights = weights.data_ptr<float>();
+  check_cuda(atlas::launch_moe_router(a, current_stream(x)), "moe_router");
+}
+
 void moe_route(const torch::Tensor& logits,   // [T, E (+1 shared gate)] bf16|f32, last dim contiguous
                torch::Tensor& ids,            // [T, k (+1)] int32 (out)
                torch::Tensor& weights,        // [T, k (+1)] f32 (out)
@@ -704,6 +734,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sigmoid_gate_mul", &sigmoid_gate_mul, "out = x * sigmoid(gate), bf16 [T,H,hd], gate strided");
   m.def("argmax", &argmax, "logits [R,V] bf16|f32 -> ids int64 [R] (lowest index wins), top-1 softmax prob f32 [R]");
   m.def("moe_route", &moe_route, "router logits [T,E] -> top-k expert ids int32 [T,k], f32 softmax weights [T,k]");
+  m.def("moe_router", &moe_router, "x [T,h] bf16 . gates [E(+1),h]^T -> bf16 logits [T,E(+1)], then moe_route's ids int32 [T,k(+1)] "
+        "and f32 weights, one launch");
   m.def("moe_experts", &moe_experts, "routed SwiGLU experts over device ids [T,k] (bf16|nvfp4 stacks), grouped by expert on the device -> f32|bf16 [T,h]");
   m.def("embedding_norm_concat", &embedding_norm_concat, "MTP fc input [rmsnorm(embed[ids]) | rmsnorm(hidden)] -> bf16 [T,2h]");
   m.def("embedding", &embedding, "table [V,h] bf16 rows by device ids [T] -> [T,h] bf16 (bad id -> zero row)");

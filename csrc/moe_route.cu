@@ -9,8 +9,9 @@
 //   rides in column E of [router | shared gate] logits, so moe_experts runs the shared expert
 //   as one more (row, slot) pair
 //
-// Decomposition: one warp per row (token), 4 rows per 128-thread CTA, grid ceil(T / 4).
-//   Lane l holds experts e = l + 32·i, i ∈ [0, kPerLane) in registers (kPerLane = the smallest
+// Decomposition: one warp per row (token), 4 rows per 128-thread CTA, grid ceil(T / 4); the
+//   warp's work is common/route.cuh's route_token (shared with moe_router, which computes the
+//   logits itself). Lane l holds experts e = l + 32·i, i ∈ [0, kPerLane) in registers (kPerLane = the smallest
 //   of 1, 2, 4, 8, 16, 32 with 32·kPerLane ≥ E: a template parameter, so the arrays stay in
 //   registers). Softmax: warp max and warp sum by xor-shuffles. Top-k (v2): every expert a
 //   64-bit key (order-preserving logit bits | ~e), each lane's keys sorted descending in
@@ -36,6 +37,7 @@
 
 #include "common/checks.h"
 #include "common/pdl.cuh"
+#include "common/route.cuh"
 #include "moe_route.h"
 
 namespace atlas {
@@ -45,39 +47,6 @@ constexpr int kWarpsPerCta = 4;
 
 __device__ __forceinline__ float load_logit(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 __device__ __forceinline__ float load_logit(const float* p) { return *p; }
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-
-// A logit as an unsigned key whose integer order is the float order, so warp maxima are one
-// redux.sync: −inf lowest, −0 and +0 one key (equal logits: the lower index wins, as the
-// reference's stable sort), every NaN one key above +inf (torch sorts NaN first). Key 0 lies
-// below every logit's key.
-__device__ __forceinline__ uint32_t ordered_key(float v) {
-  uint32_t u = __float_as_uint(v);
-  if (u == 0x80000000u) u = 0u;             // −0 → +0
-  if (v != v) u = 0x7FC00000u;              // any NaN → the canonical quiet NaN
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float key_value(uint32_t k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
-}
-
-// Compare-exchange of a descending sort: afterwards a ≥ b.
-__device__ __forceinline__ void order_desc(uint64_t& a, uint64_t& b) {
-  const uint64_t hi = a > b ? a : b, lo = a > b ? b : a;
-  a = hi;
-  b = lo;
-}
 
 template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kWarpsPerCta * 32) moe_route_kernel(
@@ -91,75 +60,9 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) moe_route_kernel(
   pdl_launch_dependents();
   if (t >= num_tokens) return;        // whole warp exits together
   const T* row = logits + t * row_stride;
-
-  // 1. load: lane owns experts lane + 32·i (−inf pads past E)
-  float x[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int e = lane + 32 * i;
-    x[i] = e < num_experts ? load_logit(row + e) : -INFINITY;
-  }
-
-  // 2. softmax denominator over all E experts (float32)
-  float m = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) m = fmaxf(m, x[i]);
-  m = warp_max(m);
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) s += (x[i] == -INFINITY) ? 0.f : expf(x[i] - m);
-  s = warp_sum(s);
-
-  // 3. top-k. Expert e's 64-bit key: ordered_key(logit) above, ~e below — larger key = larger
-  //    logit, then lower index (0 for the padding past E: below every expert). Each lane sorts
-  //    its kPerLane keys descending (a bitonic network: log² depth, no dynamic indexing), so
-  //    its best untaken expert is always key[0]; a round is two warp maxima (the logit half,
-  //    then the index half among the lanes holding it) and a shift on the winning lane.
-  uint64_t key[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int e = lane + 32 * i;
-    key[i] = e < num_experts ? (uint64_t{ordered_key(x[i])} << 32) | uint32_t(~e) : 0;
-  }
-#pragma unroll
-  for (int size = 2; size <= kPerLane; size *= 2)
-#pragma unroll
-    for (int stride = size / 2; stride > 0; stride /= 2)
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) {
-        const int j = i ^ stride;
-        if (j > i) {
-          if ((i & size) == 0) order_desc(key[i], key[j]);   // the last merge (size = kPerLane) is
-          else order_desc(key[j], key[i]);                   // all descending
-        }
-      }
-  int my_id = 0;
-  float my_p = 0.f, sum_p = 0.f;
-  for (int j = 0; j < top_k; ++j) {
-    const uint32_t hi = static_cast<uint32_t>(key[0] >> 32);
-    const uint32_t best_hi = __reduce_max_sync(0xffffffffu, hi);
-    const uint32_t best_lo = __reduce_max_sync(0xffffffffu, hi == best_hi ? static_cast<uint32_t>(key[0]) : 0u);
-    const int id = static_cast<int>(~best_lo);
-    if (id % 32 == lane) {                    // the winner's lane: its next best moves up
-#pragma unroll
-      for (int i = 0; i + 1 < kPerLane; ++i) key[i] = key[i + 1];
-      key[kPerLane - 1] = 0;
-    }
-    const float bv = key_value(best_hi);
-    const float p = (bv == -INFINITY) ? 0.f : expf(bv - m) / s;
-    sum_p += p;
-    if (lane == j) { my_id = id; my_p = p; }
-  }
-
-  // 4. store (renormalized: w = p / Σ p over the k selected); lane k: the shared-expert slot
   const int out_k = top_k + (shared_slot ? 1 : 0);
-  if (lane < top_k) {
-    ids[t * out_k + lane] = my_id;
-    weights[t * out_k + lane] = renormalize ? my_p / sum_p : my_p;
-  } else if (shared_slot && lane == top_k) {
-    ids[t * out_k + lane] = num_experts;
-    weights[t * out_k + lane] = 1.f / (1.f + expf(-load_logit(row + num_experts)));
-  }
+  route_token<kPerLane>([row](int e) { return load_logit(row + e); }, num_experts, top_k, renormalize,
+                        shared_slot, lane, ids + t * out_k, weights + t * out_k);
 }
 
 template <typename T>

@@ -212,7 +212,7 @@ def test_moe_routing_is_top_k_of_softmax():
     cfg = _moe_cfg(e=16, k=4)
     moe = build_ffn(cfg, _moe_state_dict(g, cfg, "bf16", True), "mlp.", "bf16", "cpu")
     x = _rand(g, 9, cfg.hidden_size)
-    ids, w = moe.route(x)
+    _, ids, w = moe.route(x)
     probs = torch.softmax(torch.nn.functional.linear(x, moe.router).float(), dim=-1)
     top = probs.topk(4, dim=-1)
     assert torch.equal(ids.long().sort(-1).values, top.indices.sort(-1).values)

@@ -74,10 +74,11 @@ def _record_routing(head: MtpHead) -> list:
     if isinstance(head.ffn, SparseMoE):
         route = head.ffn.route
 
-        def recording(x, logits=None):
-            ids, w = route(x, logits)
-            calls.append((torch.nn.functional.linear(x, head.ffn.router).float().cpu(), ids.long().cpu()))
-            return ids, w
+        def recording(x, *, shared_slot=False):
+            logits, ids, w = route(x, shared_slot=shared_slot)
+            k = head.ffn.top_k
+            calls.append((logits[:, :head.ffn.num_experts].float().cpu(), ids[:, :k].long().cpu()))
+            return logits, ids, w
         head.ffn.route = recording
     return calls
 

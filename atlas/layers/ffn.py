@@ -12,11 +12,12 @@ gate half first and `{prefix}experts.down_proj` [E, h, I]) in any supported dial
 ModelOpt or compressed-tensors NVFP4; Qwen FP8 block-scaled), detected per module from its keys
 and converted once at load to `weight_format` ("bf16" | "fp8" | "nvfp4").
 
-Routing never leaves the GPU: router logits → `ops.moe_route` → fixed-size ids int32 [T, k] and
-weights f32 [T, k], and the experts run over those index tensors (see `ExpertBank`), so the
-whole block is CUDA-graph capturable. On CUDA with BF16 or NVFP4 experts the block is six
-launches: the [router | shared gate] GEMV, moe_route (which also emits the shared expert — stored
-as expert E — as slot k of every row, weight sigmoid(gate)), and moe_experts' kernels (group
+Routing never leaves the GPU: router logits → top-k → fixed-size ids int32 [T, k] and weights
+f32 [T, k], and the experts run over those index tensors (see `ExpertBank`), so the whole block
+is CUDA-graph capturable. On CUDA with BF16 or NVFP4 experts a decode step's block (T ≤ 32) is
+four or five launches: `ops.moe_router` (the [router | shared gate] GEMV and the top-k in one
+launch; it also emits the shared expert — stored as expert E — as slot k of every row, weight
+sigmoid(gate)), and moe_experts' kernels (group
 the pairs by expert, gate+up, down, combine; NVFP4 with T·k ≤ 36, e.g. decode batches up to 4
 at k = 9: no grouping, the expert-indexed one-row GEMV per (token, expert) pair for gate+up and
 down, then the combine — the same bits).
@@ -41,6 +42,7 @@ from atlas.fp8 import FP8_BLOCK
 from atlas.linear import GEMV_MAX_ROWS, Linear, convert_weight, load_linears, load_weight
 from atlas.nvfp4 import GEMV_CHUNK_K, dequantize_expert_stack, expert_words_for_gemv, tile_expert_stack
 
+ROUTER_FUSED_MAX_ROWS = 32  # rows up to which SparseMoE.route runs ops.moe_router (one launch)
 SILU_FUSE_MAX_K = 4096   # down-projection K up to which a multi-row step fuses silu·up (_fuse_silu)
 
 
@@ -373,21 +375,28 @@ class SparseMoE:
         """x [T, h] bf16 → [T, E (+1)] bf16: router logits (then the shared-expert gate logit)."""
         return F.linear(x, self.gates)
 
-    def route(self, x: Tensor, logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """x [T, h] bf16 (or its gate_logits) → (ids int32 [T, k], weights f32 [T, k]), on the device."""
-        logits = self.gate_logits(x) if logits is None else logits
-        return ops.moe_route(logits[:, :self.num_experts], self.top_k, self.renormalize)
+    def route(self, x: Tensor, *, shared_slot: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """x [T, h] bf16 → (logits bf16 [T, E (+1)], ids int32 [T, k (+1)], weights f32 [T, k (+1)]),
+        on the device. Up to ROUTER_FUSED_MAX_ROWS rows (decode, verify, propose): ops.moe_router,
+        one launch; more (prefill chunks): the GEMM (cuBLAS on CUDA) then ops.moe_route — the fused
+        kernel re-reads the gate rows once per 16 tokens. Same ids for the same logits either way."""
+        if x.shape[0] <= ROUTER_FUSED_MAX_ROWS:
+            return ops.moe_router(x, self.gates, self.top_k, self.renormalize, num_experts=self.num_experts,
+                                  shared_slot=shared_slot)
+        logits = self.gate_logits(x)
+        ids, w = ops.moe_route(logits if shared_slot else logits[:, :self.num_experts], self.top_k,
+                               self.renormalize, shared_slot=shared_slot)
+        return logits, ids, w
 
     def __call__(self, x: Tensor, *, path: str | None = None) -> Tensor:
         t = x.shape[0]
-        logits = self.gate_logits(x)
         path = path or self.experts._default_path(x, t, self.top_k)
         if path == "kernel" and self.experts.has_shared_slot:
-            # shared expert = slot k of every row: 6 launches for the whole block (router GEMV,
-            # moe_route, moe_experts' three or four kernels)
-            ids, w = ops.moe_route(logits, self.top_k, self.renormalize, shared_slot=True)
+            # shared expert = slot k of every row: 4 or 5 launches for the whole block (moe_router,
+            # moe_experts' three or four kernels)
+            _, ids, w = self.route(x, shared_slot=True)
             return self.experts(x, ids, w, path=path, out_dtype=torch.bfloat16)
-        ids, w = self.route(x, logits)
+        logits, ids, w = self.route(x)
         if path == "kernel" and self.shared is not None and self.shared_gate is not None:
             # routed experts + sigmoid(gate)·shared expert combined in moe_experts' epilogue
             return self.experts(x, ids, w, path=path, shared=self.shared(x), shared_gate=logits[:, self.num_experts])

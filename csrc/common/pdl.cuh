@@ -23,26 +23,42 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) with the programmatic-stream-serialization
-// attribute; a plain launch where the attribute is refused. Returns the launch error.
+// kernel<<<grid, block, smem, stream>>>(args...) in clusters of `cluster` CTAs along x (1: no
+// cluster) with the programmatic-stream-serialization attribute; the same launch without that
+// attribute where it is refused. Returns the launch error.
 template <typename... Params, typename... Args>
-cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                       Args&&... args) {
+cudaError_t launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                               int cluster, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[n].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = n + 1;
   if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return cudaGetLastError();
   (void)cudaGetLastError();                       // clear the refusal, launch in stream order
-  cfg.numAttrs = 0;
+  cfg.numAttrs = n;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
   return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) with programmatic dependent launch (no cluster).
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  return launch_pdl_cluster(kernel, grid, block, smem, stream, 1, static_cast<Args&&>(args)...);
 }
 
 }  // namespace atlas

@@ -1,0 +1,201 @@
+// moe_router: the MoE router in one launch, equal to atlas/reference.py::moe_router — logits to
+// the float32 summation order (one bf16 rounding each), ids and weights bitwise what moe_route
+// computes from those logits (the same device code, common/route.cuh).
+//
+//   logits[t, r] = bf16(Σ_k x[t, k] · gates[r, k])   (float32 sums), r ∈ [0, R), R ∈ {E, E + 1}
+//   ids, weights = moe_route(logits[:, :E]) (+ the shared slot (E, sigmoid(logits[t, E])))
+//
+// Why one kernel: the unfused path is a cuBLAS GEMM (no programmatic dependent launch, so its
+// launch gap and the next kernel's are exposed) and then moe_route; on the decode chain that is
+// 2.9 + 3.1 µs at T = 1 and 8.0 + 3.2 µs at T = 32 (35B-A3B, bench_mtp --parts, H200) for ≈ 1 MB
+// of gate rows.
+//
+// Decomposition: a cluster of 8 CTAs (grid.x = cluster rank) per tile of 16 tokens (grid.y).
+//   Gate rows are cut into tiles of 8 (the n8 of mma.m16n8k16: tokens are M, gate rows N); CTA
+//   rank c owns the tiles_per_cta consecutive tiles from c · tiles_per_cta (35B-A3B: R = 257 →
+//   33 tiles, 5 per CTA), i.e. the contiguous rows [c · cols, (c + 1) · cols), cols =
+//   8 · tiles_per_cta. Its 8 warps split h into 32-wide k steps (warp w: steps [w·⌈S/8⌉, ...));
+//   each warp accumulates up to 5 tiles at once over its k range, loads of 4 steps in flight
+//   together (5 tiles × 4 + 8 activation units of 16 B per lane).
+//   Fragments straight from global memory, no shared-memory staging: the sum over k is the same
+//   set of products in any k order, so lane (g = lane / 4, q = lane % 4) loads the 16 bytes at
+//   k = 32·s + 8q of gate row 8·tile + g and of tokens g and g + 8, and feeds them to two mmas as
+//   logical k {2q, 2q+1, 2q+8, 2q+9} ← physical {8q..8q+3}, then {8q+4..8q+7} — A and B use the
+//   same map, so each mma sums true products. A warp instruction reads 8 rows × 64 contiguous
+//   bytes. Partial sums of the 8 warps meet in shared memory and are added in warp order (the
+//   bits depend on h alone, not on T or the token's tile: batch invariant), rounded to bf16
+//   once, stored to `logits` and to the CTA's logit block [16 tokens][cols].
+//   Routing: after a cluster barrier, token j of the tile is routed by warp j / 8 of rank j % 8
+//   with route_token, reading its R logits from the 8 CTAs' blocks through distributed shared
+//   memory; a second cluster barrier keeps every block alive until all are read.
+//   Programmatic dependent launch: before waiting for the previous kernel each CTA bulk-
+//   prefetches its gate rows into L2 (they do not depend on it); x is read after the wait.
+//
+// Floor: R·h·2 bytes of gates + T·h·2 of x (+ T·R·2 logits out): 35B-A3B (R = 257, h = 2048)
+//   1.05 MB → 0.25 µs at 4.2 TB/s. Latency-bound by design at decode sizes: after the wait, one
+//   L2 round trip per 4 k steps of a warp (2 for h = 2048), the warp reduction, two cluster
+//   barriers and route_token's k dependent rounds.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/checks.h"
+#include "common/nvfp4_mma.cuh"
+#include "common/pdl.cuh"
+#include "common/prefetch.cuh"
+#include "common/route.cuh"
+#include "moe_router.h"
+
+namespace atlas {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kCluster = 8;        // CTAs per token tile (the portable cluster size)
+constexpr int kWarps = 8;          // per CTA; they split h
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileTokens = 16;    // mma M
+constexpr int kTileRows = 8;       // mma N: gate rows per tile
+constexpr int kGroupTiles = 5;     // tiles a warp accumulates in one pass over its k range
+constexpr int kBatchSteps = 4;     // 32-wide k steps whose loads are in flight together
+constexpr int kTileElems = kTileTokens * kTileRows;
+constexpr int kRedFloats = kWarps * kGroupTiles * kTileElems;   // per-warp partials, 20 KB
+
+__device__ __forceinline__ uint4 load16(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// grid (kCluster, ceil(T / 16)), clusters of kCluster along x, block kThreads.
+template <int kPerLane>
+__global__ void __launch_bounds__(kThreads, 1) moe_router_kernel(const MoeRouterArgs a, const int tiles_per_cta) {
+  extern __shared__ float smem[];
+  const int cols = tiles_per_cta * kTileRows;
+  float* red = smem;                  // [kWarps][kGroupTiles][16 tokens][8 rows] partial sums
+  float* lg = smem + kRedFloats;      // [16 tokens][cols] this CTA's logits (bf16 values)
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int h = a.hidden, num_rows = a.rows;
+  const auto* gates = static_cast<const __nv_bfloat16*>(a.gates);   // [R, h]
+  const auto* x = static_cast<const __nv_bfloat16*>(a.x);           // [T, h]
+  auto* logits = static_cast<__nv_bfloat16*>(a.logits);             // [T, R]
+  const int64_t tok0 = static_cast<int64_t>(blockIdx.y) * kTileTokens;
+  const int tokens = static_cast<int>(min(static_cast<int64_t>(kTileTokens), a.num_tokens - tok0));
+  const int row0 = rank * cols;       // this CTA's first gate row
+
+  // Before the wait: this CTA's gate tiles into L2, one bulk prefetch per tile (lane j: tile j).
+  if (warp == 0) {
+    for (int j = lane; j < tiles_per_cta; j += 32) {
+      const int r0 = row0 + j * kTileRows, n = min(kTileRows, num_rows - r0);
+      if (n > 0) prefetch_l2_bulk(gates + static_cast<int64_t>(r0) * h, static_cast<uint32_t>(n) * h * 2);
+    }
+  }
+  pdl_wait();                         // x is the previous kernel's output
+  pdl_launch_dependents();
+
+  const int steps = ceil_div(h, 32), per_warp = ceil_div(steps, kWarps);
+  const int s_begin = warp * per_warp, s_end = min(steps, s_begin + per_warp);
+  const __nv_bfloat16* xa = g < tokens ? x + (tok0 + g) * h : nullptr;           // mma rows g, g + 8
+  const __nv_bfloat16* xb = g + 8 < tokens ? x + (tok0 + g + 8) * h : nullptr;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+
+  for (int t0 = 0; t0 < tiles_per_cta; t0 += kGroupTiles) {
+    const int group = min(kGroupTiles, tiles_per_cta - t0);
+    const __nv_bfloat16* wrow[kGroupTiles];   // gate row 8·tile + g of each tile (nullptr: none)
+#pragma unroll
+    for (int j = 0; j < kGroupTiles; ++j) {
+      const int r = row0 + (t0 + j) * kTileRows + g;
+      wrow[j] = (j < group && r < num_rows) ? gates + static_cast<int64_t>(r) * h : nullptr;
+    }
+    float acc[kGroupTiles][4] = {};
+    for (int s0 = s_begin; s0 < s_end; s0 += kBatchSteps) {
+      uint4 w[kGroupTiles][kBatchSteps], va[kBatchSteps], vb[kBatchSteps];
+#pragma unroll
+      for (int i = 0; i < kBatchSteps; ++i) {
+        const int k = (s0 + i) * 32 + 8 * q;
+        const bool in = s0 + i < s_end && k < h;
+#pragma unroll
+        for (int j = 0; j < kGroupTiles; ++j) w[j][i] = in && wrow[j] ? load16(wrow[j] + k) : zero;
+        va[i] = in && xa ? load16(xa + k) : zero;
+        vb[i] = in && xb ? load16(xb + k) : zero;
+      }
+#pragma unroll
+      for (int i = 0; i < kBatchSteps; ++i)
+#pragma unroll
+        for (int j = 0; j < kGroupTiles; ++j) {
+          if (j < group) {
+            mma_bf16_16816(acc[j], va[i].x, vb[i].x, va[i].y, vb[i].y, w[j][i].x, w[j][i].y);
+            mma_bf16_16816(acc[j], va[i].z, vb[i].z, va[i].w, vb[i].w, w[j][i].z, w[j][i].w);
+          }
+        }
+    }
+    // accumulator (standard m16n8 layout): acc[j] = D[token g | g + 8][row 2q, 2q + 1] of tile j
+    float* mine = red + warp * kGroupTiles * kTileElems;
+#pragma unroll
+    for (int j = 0; j < kGroupTiles; ++j) {
+      if (j < group) {
+        float* d = mine + j * kTileElems;
+        d[g * kTileRows + 2 * q] = acc[j][0];
+        d[g * kTileRows + 2 * q + 1] = acc[j][1];
+        d[(g + 8) * kTileRows + 2 * q] = acc[j][2];
+        d[(g + 8) * kTileRows + 2 * q + 1] = acc[j][3];
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * kTileElems; i += kThreads) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += red[w * kGroupTiles * kTileElems + i];   // warp order
+      const int tok = (i % kTileElems) / kTileRows;
+      const int col = (t0 + i / kTileElems) * kTileRows + i % kTileRows;
+      const __nv_bfloat16 v = __float2bfloat16_rn(s);
+      lg[tok * cols + col] = __bfloat162float(v);
+      if (tok < tokens && row0 + col < num_rows) logits[(tok0 + tok) * num_rows + row0 + col] = v;
+    }
+    __syncthreads();                  // red is rewritten by the next group
+  }
+
+  cluster.sync();                     // every CTA's logit block written
+  const int j = warp * kCluster + rank;   // the tile's token this warp routes (warps 0 and 1)
+  if (warp < kTileTokens / kCluster && j < tokens) {
+    const int64_t t = tok0 + j;
+    const int out_k = a.top_k + (a.shared_slot ? 1 : 0);
+    const auto logit = [&](int e) {
+      const int owner = e / cols;
+      return cluster.map_shared_rank(lg, owner)[j * cols + (e - owner * cols)];
+    };
+    route_token<kPerLane>(logit, a.num_experts, a.top_k, a.renormalize, a.shared_slot, lane,
+                          a.ids + t * out_k, a.weights + t * out_k);
+  }
+  cluster.sync();                     // keep this CTA's block alive until every rank has read it
+}
+
+}  // namespace
+
+cudaError_t launch_moe_router(const MoeRouterArgs& a, cudaStream_t stream) {
+  const int extra = a.shared_slot ? 1 : 0;
+  if (a.num_tokens < 1 || ceil_div<int64_t>(a.num_tokens, kTileTokens) > 65535 || a.hidden < 8 ||
+      a.hidden % 8 != 0 || a.num_experts < 1 || a.num_experts > kMoeRouterMaxExperts ||
+      (a.rows != a.num_experts && a.rows != a.num_experts + 1) || a.rows < a.num_experts + extra ||
+      a.top_k < 1 || a.top_k > a.num_experts || a.top_k > kMoeRouterMaxTopK || (a.shared_slot && a.top_k >= 32) ||
+      a.x == nullptr || a.gates == nullptr || a.logits == nullptr || a.ids == nullptr || a.weights == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const int tiles_per_cta = ceil_div(ceil_div(a.rows, kTileRows), kCluster);
+  const size_t smem = (kRedFloats + static_cast<size_t>(kTileTokens) * tiles_per_cta * kTileRows) * sizeof(float);
+  const dim3 grid(kCluster, static_cast<unsigned>(ceil_div<int64_t>(a.num_tokens, kTileTokens)));
+  auto run = [&](auto kernel) {
+    return launch_pdl_cluster(kernel, grid, dim3(kThreads), smem, stream, kCluster, a, tiles_per_cta);
+  };
+  const int per_lane = ceil_div(a.num_experts, 32);
+  if (per_lane <= 1) return run(moe_router_kernel<1>);
+  if (per_lane <= 2) return run(moe_router_kernel<2>);
+  if (per_lane <= 4) return run(moe_router_kernel<4>);
+  if (per_lane <= 8) return run(moe_router_kernel<8>);     // E ≤ 256: Qwen3.5/3.6-35B-A3B
+  if (per_lane <= 16) return run(moe_router_kernel<16>);   // E ≤ 512: Qwen3-Next-80B-A3B
+  return run(moe_router_kernel<32>);
+}
+
+}  // namespace atlas
