@@ -11,6 +11,8 @@ Targets:
   moe:T[:E/K/H/I]          ops.moe_experts (its 4 launches), random NVFP4 stacks, T tokens routed
                            top-K of E by random logits through ops.moe_route (default
                            256/8/2048/512: Qwen3.6-35B-A3B)
+  router:T[:E/K/H]         ops.moe_router over [E router rows | shared gate] bf16, T tokens, top-K,
+                           shared slot (default 256/8/2048)
 Each target is called once before the window (instantiation, smem opt-in), then once inside it.
 """
 from __future__ import annotations
@@ -56,7 +58,14 @@ def make(spec: str, gen: torch.Generator):
         logits = torch.randn(t, e, device="cuda", generator=gen)
         ids, w = ops.moe_route(logits, top_k)
         return lambda: ops.moe_experts(x, ids, w, *stacks)
-    raise SystemExit(f"ncu_targets: unknown target {spec!r} (gemv:NxK[:M] | paged:BxL:NQ/NKV:DTYPE | moe:T[:E/K/H/I])")
+    if kind == "router":
+        t = int(parts[0])
+        e, top_k, h = (int(v) for v in parts[1].split("/")) if len(parts) > 1 else (256, 8, 2048)
+        x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
+        gates = (torch.randn(e + 1, h, device="cuda", generator=gen) * h ** -0.5).bfloat16()
+        return lambda: ops.moe_router(x, gates, top_k, shared_slot=True)
+    raise SystemExit(f"ncu_targets: unknown target {spec!r} "
+                     "(gemv:NxK[:M] | paged:BxL:NQ/NKV:DTYPE | moe:T[:E/K/H/I] | router:T[:E/K/H])")
 
 
 def main() -> None:

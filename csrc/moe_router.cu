@@ -15,26 +15,42 @@
 //   rank c owns the tiles_per_cta consecutive tiles from c · tiles_per_cta (35B-A3B: R = 257 →
 //   33 tiles, 5 per CTA), i.e. the contiguous rows [c · cols, (c + 1) · cols), cols =
 //   8 · tiles_per_cta. Its 8 warps split h into 32-wide k steps (warp w: steps [w·⌈S/8⌉, ...));
-//   each warp accumulates up to 5 tiles at once over its k range, loads of 4 steps in flight
-//   together (5 tiles × 4 + 8 activation units of 16 B per lane).
+//   each warp accumulates up to 5 tiles (a group) at once over its k range, the loads of 8 steps
+//   in flight together (5 tiles × 8 + 16 activation units of 16 B per lane: 255 registers, so one
+//   CTA per SM).
 //   Fragments straight from global memory, no shared-memory staging: the sum over k is the same
 //   set of products in any k order, so lane (g = lane / 4, q = lane % 4) loads the 16 bytes at
 //   k = 32·s + 8q of gate row 8·tile + g and of tokens g and g + 8, and feeds them to two mmas as
 //   logical k {2q, 2q+1, 2q+8, 2q+9} ← physical {8q..8q+3}, then {8q+4..8q+7} — A and B use the
 //   same map, so each mma sums true products. A warp instruction reads 8 rows × 64 contiguous
 //   bytes. Partial sums of the 8 warps meet in shared memory and are added in warp order (the
-//   bits depend on h alone, not on T or the token's tile: batch invariant), rounded to bf16
-//   once, stored to `logits` and to the CTA's logit block [16 tokens][cols].
-//   Routing: after a cluster barrier, token j of the tile is routed by warp j / 8 of rank j % 8
-//   with route_token, reading its R logits from the 8 CTAs' blocks through distributed shared
-//   memory; a second cluster barrier keeps every block alive until all are read.
-//   Programmatic dependent launch: before waiting for the previous kernel each CTA bulk-
-//   prefetches its gate rows into L2 (they do not depend on it); x is read after the wait.
+//   bits depend on h alone, not on T or the token's tile: batch invariant) and rounded to bf16
+//   once.
+//   Routing: each logit is pushed (a distributed-shared-memory store) into the inbox of the CTA
+//   that routes its token — token j of the tile: warp j / 8 of rank j % 8 — so after one
+//   cluster barrier each routing warp runs route_token on local shared memory, while the other
+//   6 warps store the routed tokens' logit rows to `logits` (whole rows, after the barrier: its
+//   release does not wait on global stores). The only remote accesses are those pushes: a
+//   relaxed arrive at the start and its wait before the first push ("every CTA started"), an
+//   arrive.release / wait.acquire after the last; no barrier before exiting.
+//   Programmatic dependent launch: before waiting for the previous kernel each warp loads its
+//   first batch of gate fragments into registers and warp 0 bulk-prefetches the CTA's later
+//   tile groups into L2 (the gates do not depend on it); x is read after the wait.
 //
 // Floor: R·h·2 bytes of gates + T·h·2 of x (+ T·R·2 logits out): 35B-A3B (R = 257, h = 2048)
-//   1.05 MB → 0.25 µs at 4.2 TB/s. Latency-bound by design at decode sizes: after the wait, one
-//   L2 round trip per 4 k steps of a warp (2 for h = 2048), the warp reduction, two cluster
-//   barriers and route_token's k dependent rounds.
+//   1.05 MB → 0.25 µs at 4.2 TB/s. Latency-bound by design at decode sizes: after the wait, the
+//   activation loads (an L2 round trip), the mma chains, the warp reduction, the cluster barrier
+//   and route_token's k dependent rounds.
+//
+// Versions (H200, bench/router_probe: graph-replayed µs per call, 35B-A3B R = 257 T = 1 / 32,
+// Qwen3-Next R = 513 T = 1; bench/NOTES.md has the phase stamps):
+//   v1  logits read back by the routing warps through distributed shared memory, 4 k steps per
+//       batch, gates only L2-prefetched before the wait: 8.81 / 9.41 / 14.7 (cuBLAS F.linear +
+//       moe_route: 6.5 / 11.0 / 8.5).
+//   v2  first batch of gate fragments in registers before the wait, 8 k steps per batch, the
+//       global logit stores after the cluster barrier: 6.83 / 7.27 / 12.6.
+//   v3  logits pushed to the routing CTA's inbox (v2's remote reads took 1.3 µs of a 3.6 µs
+//       route), route_token's probabilities off its rounds' chain: 5.53 / 5.75 / 10.7.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -60,9 +76,16 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTileTokens = 16;    // mma M
 constexpr int kTileRows = 8;       // mma N: gate rows per tile
 constexpr int kGroupTiles = 5;     // tiles a warp accumulates in one pass over its k range
-constexpr int kBatchSteps = 4;     // 32-wide k steps whose loads are in flight together
+constexpr int kBatchSteps = 8;     // 32-wide k steps whose loads are in flight together
 constexpr int kTileElems = kTileTokens * kTileRows;
 constexpr int kRedFloats = kWarps * kGroupTiles * kTileElems;   // per-warp partials, 20 KB
+
+// Cluster barrier halves (sm_90): arrive with release semantics (this thread's prior writes,
+// distributed shared memory included, become visible to the cluster) or without ordering (only
+// "this CTA has started"), and wait with acquire semantics.
+__device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait_acquire() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 
 __device__ __forceinline__ uint4 load16(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
@@ -71,8 +94,10 @@ template <int kPerLane>
 __global__ void __launch_bounds__(kThreads, 1) moe_router_kernel(const MoeRouterArgs a, const int tiles_per_cta) {
   extern __shared__ float smem[];
   const int cols = tiles_per_cta * kTileRows;
+  constexpr int kRouteWarps = kTileTokens / kCluster;   // tokens each CTA routes (warps 0, 1)
   float* red = smem;                  // [kWarps][kGroupTiles][16 tokens][8 rows] partial sums
-  float* lg = smem + kRedFloats;      // [16 tokens][cols] this CTA's logits (bf16 values)
+  float* inbox = smem + kRedFloats;   // [kRouteWarps][R]: every logit of tokens rank, rank + 8 of the
+                                      // tile (bf16 values), pushed here by the cluster's CTAs
 
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
@@ -85,9 +110,32 @@ __global__ void __launch_bounds__(kThreads, 1) moe_router_kernel(const MoeRouter
   const int tokens = static_cast<int>(min(static_cast<int64_t>(kTileTokens), a.num_tokens - tok0));
   const int row0 = rank * cols;       // this CTA's first gate row
 
-  // Before the wait: this CTA's gate tiles into L2, one bulk prefetch per tile (lane j: tile j).
+  const int steps = ceil_div(h, 32), per_warp = ceil_div(steps, kWarps);
+  const int s_begin = warp * per_warp, s_end = min(steps, s_begin + per_warp);
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  // gate fragments of tiles [t0, t0 + kGroupTiles) at steps [s0, s0 + kBatchSteps) (lane: row
+  // 8·tile + g, k = 32·step + 8q; zeros past the CTA's tiles, R or the warp's steps)
+  uint4 w[kGroupTiles][kBatchSteps];
+  const auto load_gates = [&](int t0, int s0) {
+#pragma unroll
+    for (int j = 0; j < kGroupTiles; ++j) {
+      const int r = row0 + (t0 + j) * kTileRows + g;
+      const __nv_bfloat16* row = (t0 + j < tiles_per_cta && r < num_rows) ? gates + static_cast<int64_t>(r) * h : nullptr;
+#pragma unroll
+      for (int i = 0; i < kBatchSteps; ++i) {
+        const int k = (s0 + i) * 32 + 8 * q;
+        w[j][i] = row && s0 + i < s_end && k < h ? load16(row + k) : zero;
+      }
+    }
+  };
+
+  // Before the wait (the gates do not depend on the previous kernel): the first batch of
+  // fragments into registers, and the CTA's other gate rows into L2 (one bulk prefetch per tile
+  // past the first group, lane j of warp 0: tile kGroupTiles + j).
+  load_gates(0, s_begin);
+  cluster_arrive_relaxed();           // "started": the inbox pushes below wait for every CTA of the cluster
   if (warp == 0) {
-    for (int j = lane; j < tiles_per_cta; j += 32) {
+    for (int j = kGroupTiles + lane; j < tiles_per_cta; j += 32) {
       const int r0 = row0 + j * kTileRows, n = min(kTileRows, num_rows - r0);
       if (n > 0) prefetch_l2_bulk(gates + static_cast<int64_t>(r0) * h, static_cast<uint32_t>(n) * h * 2);
     }
@@ -95,29 +143,18 @@ __global__ void __launch_bounds__(kThreads, 1) moe_router_kernel(const MoeRouter
   pdl_wait();                         // x is the previous kernel's output
   pdl_launch_dependents();
 
-  const int steps = ceil_div(h, 32), per_warp = ceil_div(steps, kWarps);
-  const int s_begin = warp * per_warp, s_end = min(steps, s_begin + per_warp);
   const __nv_bfloat16* xa = g < tokens ? x + (tok0 + g) * h : nullptr;           // mma rows g, g + 8
   const __nv_bfloat16* xb = g + 8 < tokens ? x + (tok0 + g + 8) * h : nullptr;
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-
   for (int t0 = 0; t0 < tiles_per_cta; t0 += kGroupTiles) {
     const int group = min(kGroupTiles, tiles_per_cta - t0);
-    const __nv_bfloat16* wrow[kGroupTiles];   // gate row 8·tile + g of each tile (nullptr: none)
-#pragma unroll
-    for (int j = 0; j < kGroupTiles; ++j) {
-      const int r = row0 + (t0 + j) * kTileRows + g;
-      wrow[j] = (j < group && r < num_rows) ? gates + static_cast<int64_t>(r) * h : nullptr;
-    }
     float acc[kGroupTiles][4] = {};
     for (int s0 = s_begin; s0 < s_end; s0 += kBatchSteps) {
-      uint4 w[kGroupTiles][kBatchSteps], va[kBatchSteps], vb[kBatchSteps];
+      if (t0 > 0 || s0 > s_begin) load_gates(t0, s0);   // the first batch came before the wait
+      uint4 va[kBatchSteps], vb[kBatchSteps];
 #pragma unroll
       for (int i = 0; i < kBatchSteps; ++i) {
         const int k = (s0 + i) * 32 + 8 * q;
         const bool in = s0 + i < s_end && k < h;
-#pragma unroll
-        for (int j = 0; j < kGroupTiles; ++j) w[j][i] = in && wrow[j] ? load16(wrow[j] + k) : zero;
         va[i] = in && xa ? load16(xa + k) : zero;
         vb[i] = in && xb ? load16(xb + k) : zero;
       }
@@ -144,32 +181,42 @@ __global__ void __launch_bounds__(kThreads, 1) moe_router_kernel(const MoeRouter
       }
     }
     __syncthreads();
+    if (t0 == 0) cluster_wait_acquire();   // every CTA of the cluster runs: its inbox may be written
     for (int i = threadIdx.x; i < group * kTileElems; i += kThreads) {
       float s = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) s += red[w * kGroupTiles * kTileElems + i];   // warp order
       const int tok = (i % kTileElems) / kTileRows;
       const int col = (t0 + i / kTileElems) * kTileRows + i % kTileRows;
-      const __nv_bfloat16 v = __float2bfloat16_rn(s);
-      lg[tok * cols + col] = __bfloat162float(v);
-      if (tok < tokens && row0 + col < num_rows) logits[(tok0 + tok) * num_rows + row0 + col] = v;
+      if (tok < tokens && row0 + col < num_rows) {   // into the inbox of the CTA routing the token
+        float* dst = cluster.map_shared_rank(inbox, tok % kCluster);
+        dst[(tok / kCluster) * num_rows + row0 + col] = __bfloat162float(__float2bfloat16_rn(s));
+      }
     }
     __syncthreads();                  // red is rewritten by the next group
   }
 
-  cluster.sync();                     // every CTA's logit block written
-  const int j = warp * kCluster + rank;   // the tile's token this warp routes (warps 0 and 1)
-  if (warp < kTileTokens / kCluster && j < tokens) {
-    const int64_t t = tok0 + j;
-    const int out_k = a.top_k + (a.shared_slot ? 1 : 0);
-    const auto logit = [&](int e) {
-      const int owner = e / cols;
-      return cluster.map_shared_rank(lg, owner)[j * cols + (e - owner * cols)];
-    };
-    route_token<kPerLane>(logit, a.num_experts, a.top_k, a.renormalize, a.shared_slot, lane,
-                          a.ids + t * out_k, a.weights + t * out_k);
+  cluster_arrive_release();           // every inbox filled (the only distributed shared memory
+  cluster_wait_acquire();             // accesses: no barrier is needed before exiting)
+  if (warp < kRouteWarps) {
+    const int j = warp * kCluster + rank;   // the tile's token this warp routes
+    if (j < tokens) {
+      const int64_t t = tok0 + j;
+      const int out_k = a.top_k + (a.shared_slot ? 1 : 0);
+      const float* row = inbox + warp * num_rows;
+      route_token<kPerLane>([row](int e) { return row[e]; }, a.num_experts, a.top_k, a.renormalize,
+                            a.shared_slot, lane, a.ids + t * out_k, a.weights + t * out_k);
+    }
+  } else {                            // the other warps store the routed tokens' logit rows
+    for (int slot = 0; slot < kRouteWarps; ++slot) {
+      const int j = slot * kCluster + rank;
+      if (j >= tokens) break;
+      __nv_bfloat16* out = logits + (tok0 + j) * num_rows;
+      for (int e = threadIdx.x - kRouteWarps * 32; e < num_rows; e += kThreads - kRouteWarps * 32) {
+        out[e] = __float2bfloat16_rn(inbox[slot * num_rows + e]);
+      }
+    }
   }
-  cluster.sync();                     // keep this CTA's block alive until every rank has read it
 }
 
 }  // namespace
@@ -184,7 +231,7 @@ cudaError_t launch_moe_router(const MoeRouterArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   const int tiles_per_cta = ceil_div(ceil_div(a.rows, kTileRows), kCluster);
-  const size_t smem = (kRedFloats + static_cast<size_t>(kTileTokens) * tiles_per_cta * kTileRows) * sizeof(float);
+  const size_t smem = (kRedFloats + static_cast<size_t>(kTileTokens / kCluster) * a.rows) * sizeof(float);
   const dim3 grid(kCluster, static_cast<unsigned>(ceil_div<int64_t>(a.num_tokens, kTileTokens)));
   auto run = [&](auto kernel) {
     return launch_pdl_cluster(kernel, grid, dim3(kThreads), smem, stream, kCluster, a, tiles_per_cta);

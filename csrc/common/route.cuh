@@ -95,8 +95,10 @@ __device__ __forceinline__ void route_token(LogitFn logit, int num_experts, int 
           else order_desc(key[j], key[i]);                   // all descending
         }
       }
+  //    The rounds only select (lane j keeps round j's id and logit key); the probabilities and
+  //    their sum (in slot order, as the reference) follow, off the rounds' dependent chain.
   int my_id = 0;
-  float my_p = 0.f, sum_p = 0.f;
+  uint32_t my_hi = 0u;
   for (int j = 0; j < top_k; ++j) {
     const uint32_t hi = static_cast<uint32_t>(key[0] >> 32);
     const uint32_t best_hi = __reduce_max_sync(0xffffffffu, hi);
@@ -107,11 +109,12 @@ __device__ __forceinline__ void route_token(LogitFn logit, int num_experts, int 
       for (int i = 0; i + 1 < kPerLane; ++i) key[i] = key[i + 1];
       key[kPerLane - 1] = 0;
     }
-    const float bv = key_value(best_hi);
-    const float p = (bv == -INFINITY) ? 0.f : expf(bv - m) / s;
-    sum_p += p;
-    if (lane == j) { my_id = id; my_p = p; }
+    if (lane == j) { my_id = id; my_hi = best_hi; }
   }
+  const float bv = key_value(my_hi);
+  const float my_p = (lane >= top_k || bv == -INFINITY) ? 0.f : expf(bv - m) / s;
+  float sum_p = 0.f;
+  for (int j = 0; j < top_k; ++j) sum_p += __shfl_sync(0xffffffffu, my_p, j);
 
   // 4. store (renormalized: w = p / Σ p over the k selected); lane k: the shared-expert slot
   if (lane < top_k) {
