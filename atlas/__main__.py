@@ -115,6 +115,14 @@ def _ids_then_close(bound: float):
     return compare
 
 
+def _router_compare(gpu: tuple, cpu: tuple) -> tuple[bool, str]:
+    """moe_router: (logits, ids, weights); logits one bf16 rounding apart, so ids on well-separated
+    logits must match and weights agree to that rounding."""
+    ids_ok = torch.equal(gpu[1].cpu().long(), cpu[1].long())
+    err = max(_rel(gpu[0].float(), cpu[0].float()), _rel(gpu[2].float(), cpu[2].float()))
+    return ids_ok and err <= 1e-2, f"ids {'equal' if ids_ok else 'DIFFER'}, logits/weights rel err {err:.2e}"
+
+
 def _checks() -> list[_Check]:
     from atlas import ops
     from atlas.nvfp4 import NVFP4Weight
@@ -231,6 +239,14 @@ def _checks() -> list[_Check]:
         logits = torch.randn(5, 64, generator=_gen(20))
         return tuple(ops.moe_route(logits.to(dev), 8))
     out.append(_Check("moe_route", route, _ids_then_close(1e-4)))
+
+    def router(dev):
+        x = torch.randn(5, 256, generator=_gen(22)).to(bf16)
+        v = torch.randn(256, generator=_gen(23))
+        scale = torch.arange(1, 66, dtype=f32).unsqueeze(1) / 65     # row r's logit ∝ r + 1: no near-ties
+        gates = (scale * v).to(bf16)                                   # 64 experts + the shared gate row
+        return tuple(ops.moe_router(x.to(dev), gates.to(dev), 8, shared_slot=True))
+    out.append(_Check("moe_router", router, _router_compare))
 
     def embed(dev):
         table = torch.randn(100, 256, generator=_gen(21)).to(bf16)
