@@ -128,6 +128,7 @@
 #include "common/checks.h"
 #include "common/gate.cuh"
 #include "common/nvfp4_mma.cuh"
+#include "common/pdl.cuh"
 #include "common/prefetch.cuh"
 
 namespace atlas {
@@ -1235,30 +1236,9 @@ cudaError_t prepare_launch(Kernel kernel, int (&opted_in)[kMaxDevices], int smem
   return cudaSuccess;
 }
 
-// cfg's launch in clusters of `cluster` CTAs along x (1: none) with programmatic dependent launch
-// — the prologue's weight loads overlap the previous kernel's tail (the kernel waits for it
-// before touching activations or outputs) — or a plain launch where that is refused.
-template <typename Kernel, typename... Args>
-cudaError_t launch_pdl(cudaLaunchConfig_t cfg, int cluster, Kernel kernel, Args... args) {
-  cudaLaunchAttribute attr[2];
-  int num_attrs = 0;
-  if (cluster > 1) {
-    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
-    attr[num_attrs].val.clusterDim.x = cluster;
-    attr[num_attrs].val.clusterDim.y = 1;
-    attr[num_attrs].val.clusterDim.z = 1;
-    ++num_attrs;
-  }
-  attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = num_attrs + 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return cudaSuccess;
-  (void)cudaGetLastError();           // clear the refusal
-  cfg.numAttrs = num_attrs;
-  ATLAS_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, args...));
-  return last_launch_error();
-}
+// Launches go through common/pdl.cuh's launch_pdl(cfg, cluster, ...): clusters of `cluster` CTAs
+// along x with programmatic dependent launch — the prologue's weight loads overlap the previous
+// kernel's tail (the kernel waits for it before touching activations or outputs).
 
 // One launch of a GEMV kernel (staged or one-row): the S splits of a row group form a cluster.
 template <typename Kernel>

@@ -23,17 +23,11 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) in clusters of `cluster` CTAs along x (1: no
+// cfg's launch (grid, block, shared memory, stream) in clusters of `cluster` CTAs along x (1: no
 // cluster) with the programmatic-stream-serialization attribute; the same launch without that
-// attribute where it is refused. Returns the launch error.
-template <typename... Params, typename... Args>
-cudaError_t launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                               int cluster, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
+// attribute where it is refused. cfg's own attributes are replaced. Returns the launch error.
+template <typename Kernel, typename... Args>
+cudaError_t launch_pdl(cudaLaunchConfig_t cfg, int cluster, Kernel kernel, Args&&... args) {
   cudaLaunchAttribute attr[2];
   int n = 0;
   if (cluster > 1) {
@@ -52,6 +46,19 @@ cudaError_t launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block,
   cfg.numAttrs = n;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
   return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) in clusters of `cluster` CTAs along x, with
+// programmatic dependent launch (see above).
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                               int cluster, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  return launch_pdl(cfg, cluster, kernel, static_cast<Args&&>(args)...);
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) with programmatic dependent launch (no cluster).
