@@ -15,8 +15,8 @@ and converted once at load to `weight_format` ("bf16" | "fp8" | "nvfp4").
 Routing never leaves the GPU: router logits → top-k → fixed-size ids int32 [T, k] and weights
 f32 [T, k], and the experts run over those index tensors (see `ExpertBank`), so the whole block
 is CUDA-graph capturable. On CUDA with BF16 or NVFP4 experts a decode step's block (T ≤ 32) is
-four or five launches: `ops.moe_router` (the [router | shared gate] GEMV and the top-k in one
-launch; it also emits the shared expert — stored as expert E — as slot k of every row, weight
+four or five launches (one more for a single token over > 320 gate rows, see SparseMoE.route):
+`ops.moe_router` (the [router | shared gate] GEMV and the top-k in one launch; it also emits the shared expert — stored as expert E — as slot k of every row, weight
 sigmoid(gate)), and moe_experts' kernels (group
 the pairs by expert, gate+up, down, combine; NVFP4 with T·k ≤ 36, e.g. decode batches up to 4
 at k = 9: no grouping, the expert-indexed one-row GEMV per (token, expert) pair for gate+up and
