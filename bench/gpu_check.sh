@@ -71,7 +71,7 @@ if has ncu; then
   # Nsight Compute on the key shapes (one cold call each, bench/ncu_targets.py), csv to $LOGS/ncu.csv.
   run_stage ncu ncu.log bash -c "ncu --profile-from-start off --clock-control none --cache-control all --csv \
     --metrics $(tr -d '\n' < bench/ncu_metrics.txt) python3 bench/ncu_targets.py gemv:248320x5120 \
-    gemv:14336x5120 gemv:5120x6144 gemv:2048x512 paged:1x32768:16/2:bf16 paged:128x8192:16/2:bf16 moe:1 moe:32 > $LOGS/ncu.csv"
+    gemv:14336x5120 gemv:5120x6144 gemv:2048x512 paged:1x32768:16/2:bf16 paged:128x8192:16/2:bf16 moe:1 moe:32 router:1 router:32 > $LOGS/ncu.csv"
 fi
 if has probe; then
   # The torch-free one-row GEMV probe (bench/gemv_probe): per-shape phase split, per-SM end times,
