@@ -25,6 +25,7 @@
 
 #include "common/checks.h"
 #include "common/pdl.cuh"
+#include "common/warp.cuh"
 #include "embedding.h"
 
 namespace atlas {
@@ -102,8 +103,7 @@ __global__ void __launch_bounds__(kThreads) embedding_norm_concat_kernel(Embeddi
   }
   // 2. block sum: warp shuffles, then the 8 warp sums through shared memory
   __shared__ float warp_ss[kThreads / 32];
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  ss = warp_sum(ss);
   if (threadIdx.x % 32 == 0) warp_ss[threadIdx.x / 32] = ss;
   __syncthreads();
   float total = 0.f;

@@ -35,6 +35,7 @@
 
 #include "common/checks.h"
 #include "common/pdl.cuh"
+#include "common/warp.cuh"
 #include "common/nvfp4.cuh"
 #include "qk_norm_rope.h"
 
@@ -76,18 +77,6 @@ __device__ __forceinline__ void store_e4m3(uint8_t* p, const float* f, float sca
   if constexpr (N == 8) *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
   else if constexpr (N == 4) *reinterpret_cast<uint32_t*>(p) = w[0];
   else *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(w[0]);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
 }
 
 __device__ __forceinline__ float load_weight(const void* w, bool f32, int i) {

@@ -24,6 +24,7 @@
 
 #include "common/checks.h"
 #include "common/pdl.cuh"
+#include "common/warp.cuh"
 #include "rms_norm.h"
 
 namespace atlas {
@@ -55,8 +56,7 @@ __device__ __forceinline__ float norm_weight(const void* w, bool f32, bool zero_
 
 // Sum over the CTA; every thread gets the total. `red` holds one float per warp.
 __device__ __forceinline__ float block_sum(float v, float* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  v = warp_sum(v);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   if (lane == 0) red[warp] = v;
   __syncthreads();

@@ -10,19 +10,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "warp.cuh"
+
 namespace atlas {
-
-__device__ __forceinline__ float route_warp_max(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
-}
-
-__device__ __forceinline__ float route_warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
 
 // A logit as an unsigned key whose integer order is the float order, so warp maxima are one
 // redux.sync: −inf lowest, −0 and +0 one key (equal logits: the lower index wins, as the
@@ -66,11 +56,11 @@ __device__ __forceinline__ void route_token(LogitFn logit, int num_experts, int 
   float m = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) m = fmaxf(m, x[i]);
-  m = route_warp_max(m);
+  m = warp_max(m);
   float s = 0.f;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) s += (x[i] == -INFINITY) ? 0.f : expf(x[i] - m);
-  s = route_warp_sum(s);
+  s = warp_sum(s);
 
   // 3. top-k. Expert e's 64-bit key: ordered_key(logit) above, ~e below — larger key = larger
   //    logit, then lower index (0 for the padding past E: below every expert). Each lane sorts

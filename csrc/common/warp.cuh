@@ -1,0 +1,20 @@
+// Warp-wide reductions by xor-shuffles: every lane gets the result (fixed butterfly order, so the
+// bits do not depend on the lane).
+#pragma once
+#include <cuda_runtime.h>
+
+namespace atlas {
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+}  // namespace atlas
