@@ -1058,8 +1058,7 @@ def _(logits, top_k, renormalize, shared_slot):
     return (logits.new_empty(t, k, dtype=torch.int32), logits.new_empty(t, k, dtype=torch.float32))
 
 
-MOE_ROUTER_TOKEN_TILE = 16   # tokens per 8-CTA cluster (csrc/moe_router.cu); grid.y ≤ 65535 tiles
-MOE_ROUTER_ONE_PASS_ROWS = 320   # gate rows its CTAs cover in one group of tiles (8 CTAs · 5 tiles · 8 rows)
+MOE_ROUTER_TOKEN_TILE = 16   # tokens per CTA cluster (csrc/moe_router.cu); grid.y ≤ 65535 tiles
 
 
 def moe_router(x: Tensor, gates: Tensor, top_k: int, renormalize: bool = True, *,

@@ -10,10 +10,10 @@
 // 2.9 + 3.1 µs at T = 1 and 8.0 + 3.2 µs at T = 32 (35B-A3B, bench_mtp --parts, H200) for ≈ 1 MB
 // of gate rows.
 //
-// Decomposition: a cluster of 8 CTAs (grid.x = cluster rank) per tile of 16 tokens (grid.y).
-//   Gate rows are cut into tiles of 8 (the n8 of mma.m16n8k16: tokens are M, gate rows N); CTA
-//   rank c owns the tiles_per_cta consecutive tiles from c · tiles_per_cta (35B-A3B: R = 257 →
-//   33 tiles, 5 per CTA), i.e. the contiguous rows [c · cols, (c + 1) · cols), cols =
+// Decomposition: a cluster of C = 16 CTAs (8 where the device cannot place 16; grid.x = cluster
+//   rank) per tile of 16 tokens (grid.y). Gate rows are cut into tiles of 8 (the n8 of
+//   mma.m16n8k16: tokens are M, gate rows N); CTA rank c owns the tiles_per_cta consecutive
+//   tiles from c · tiles_per_cta (35B-A3B: R = 257 → 33 tiles, 3 per CTA; 5 with C = 8), i.e. the contiguous rows [c · cols, (c + 1) · cols), cols =
 //   8 · tiles_per_cta. Its 8 warps split h into 32-wide k steps (warp w: steps [w·⌈S/8⌉, ...));
 //   each warp accumulates up to 5 tiles (a group) at once over its k range, the loads of 8 steps
 //   in flight together (5 tiles × 8 + 16 activation units of 16 B per lane: 255 registers, so one
@@ -27,9 +27,9 @@
 //   bits depend on h alone, not on T or the token's tile: batch invariant) and rounded to bf16
 //   once.
 //   Routing: each logit is pushed (a distributed-shared-memory store) into the inbox of the CTA
-//   that routes its token — token j of the tile: warp j / 8 of rank j % 8 — so after one
+//   that routes its token — token j of the tile: warp j / C of rank j % C — so after one
 //   cluster barrier each routing warp runs route_token on local shared memory, while the other
-//   6 warps store the routed tokens' logit rows to `logits` (whole rows, after the barrier: its
+//   warps store the routed tokens' logit rows to `logits` (whole rows, after the barrier: its
 //   release does not wait on global stores). The only remote accesses are those pushes: a
 //   relaxed arrive at the start and its wait before the first push ("every CTA started"), an
 //   arrive.release / wait.acquire after the last; no barrier before exiting.
@@ -51,6 +51,7 @@
 //       global logit stores after the cluster barrier: 6.83 / 7.27 / 12.6.
 //   v3  logits pushed to the routing CTA's inbox (v2's remote reads took 1.3 µs of a 3.6 µs
 //       route), route_token's probabilities off its rounds' chain: 5.53 / 5.75 / 10.7.
+//   v4  clusters of 16 CTAs (non-portable) where the device places them: 5.24 / 5.52 / 7.21.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -70,7 +71,6 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kCluster = 8;        // CTAs per token tile (the portable cluster size)
 constexpr int kWarps = 8;          // per CTA; they split h
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileTokens = 16;    // mma M
@@ -89,12 +89,12 @@ __device__ __forceinline__ void cluster_wait_acquire() { asm volatile("barrier.c
 
 __device__ __forceinline__ uint4 load16(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-// grid (kCluster, ceil(T / 16)), clusters of kCluster along x, block kThreads.
-template <int kPerLane>
+// grid (kCluster, ceil(T / 16)), clusters of kCluster (16, or the portable 8) along x, block kThreads.
+template <int kPerLane, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1) moe_router_kernel(const MoeRouterArgs a, const int tiles_per_cta) {
   extern __shared__ float smem[];
   const int cols = tiles_per_cta * kTileRows;
-  constexpr int kRouteWarps = kTileTokens / kCluster;   // tokens each CTA routes (warps 0, 1)
+  constexpr int kRouteWarps = kTileTokens / kCluster;   // tokens each CTA routes (warps 0 (, 1))
   float* red = smem;                  // [kWarps][kGroupTiles][16 tokens][8 rows] partial sums
   float* inbox = smem + kRedFloats;   // [kRouteWarps][R]: every logit of tokens rank, rank + 8 of the
                                       // tile (bf16 values), pushed here by the cluster's CTAs
@@ -219,6 +219,50 @@ __global__ void __launch_bounds__(kThreads, 1) moe_router_kernel(const MoeRouter
   }
 }
 
+// Clusters of 16 CTAs (non-portable; H100 / H200 schedule them) where the device can place one,
+// else 8: 16 halve each CTA's gate rows (35B-A3B: 3 tiles instead of 5; Qwen3-Next R = 513 in one
+// tile group instead of two — H200 router_probe, T = 1: 5.49 → 5.24 µs, 10.66 → 7.21). Decided
+// once per device (cudaOccupancyMaxActiveClusters), outside any stream work.
+template <int kPerLane, int kCluster>
+cudaError_t launch_clustered(const MoeRouterArgs& a, cudaStream_t stream) {
+  const int tiles_per_cta = ceil_div(ceil_div(a.rows, kTileRows), kCluster);
+  const size_t smem = (kRedFloats + static_cast<size_t>(kTileTokens / kCluster) * a.rows) * sizeof(float);
+  const dim3 grid(kCluster, static_cast<unsigned>(ceil_div<int64_t>(a.num_tokens, kTileTokens)));
+  return launch_pdl_cluster(moe_router_kernel<kPerLane, kCluster>, grid, dim3(kThreads), smem, stream, kCluster,
+                            a, tiles_per_cta);
+}
+
+constexpr int kMaxDevices = 64;
+
+template <int kPerLane>
+cudaError_t launch_instance(const MoeRouterArgs& a, cudaStream_t stream) {
+  static int wide[kMaxDevices] = {};   // per device: 0 unknown, 1 clusters of 16, 2 of 8
+  int dev = 0;
+  ATLAS_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (wide[dev] == 0) {
+    const auto kernel = moe_router_kernel<kPerLane, 16>;
+    int clusters = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(16);
+      cfg.blockDim = dim3(kThreads);
+      cfg.dynamicSmemBytes = (kRedFloats + static_cast<size_t>(kTileTokens / 16) * (kMoeRouterMaxExperts + 1)) * sizeof(float);
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = 16;
+      attr.val.clusterDim.y = 1;
+      attr.val.clusterDim.z = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) clusters = 0;
+    }
+    (void)cudaGetLastError();          // a refused attribute or query is not this launch's error
+    wide[dev] = clusters > 0 ? 1 : 2;
+  }
+  return wide[dev] == 1 ? launch_clustered<kPerLane, 16>(a, stream) : launch_clustered<kPerLane, 8>(a, stream);
+}
+
 }  // namespace
 
 cudaError_t launch_moe_router(const MoeRouterArgs& a, cudaStream_t stream) {
@@ -230,19 +274,13 @@ cudaError_t launch_moe_router(const MoeRouterArgs& a, cudaStream_t stream) {
       a.x == nullptr || a.gates == nullptr || a.logits == nullptr || a.ids == nullptr || a.weights == nullptr) {
     return cudaErrorInvalidValue;
   }
-  const int tiles_per_cta = ceil_div(ceil_div(a.rows, kTileRows), kCluster);
-  const size_t smem = (kRedFloats + static_cast<size_t>(kTileTokens / kCluster) * a.rows) * sizeof(float);
-  const dim3 grid(kCluster, static_cast<unsigned>(ceil_div<int64_t>(a.num_tokens, kTileTokens)));
-  auto run = [&](auto kernel) {
-    return launch_pdl_cluster(kernel, grid, dim3(kThreads), smem, stream, kCluster, a, tiles_per_cta);
-  };
   const int per_lane = ceil_div(a.num_experts, 32);
-  if (per_lane <= 1) return run(moe_router_kernel<1>);
-  if (per_lane <= 2) return run(moe_router_kernel<2>);
-  if (per_lane <= 4) return run(moe_router_kernel<4>);
-  if (per_lane <= 8) return run(moe_router_kernel<8>);     // E ≤ 256: Qwen3.5/3.6-35B-A3B
-  if (per_lane <= 16) return run(moe_router_kernel<16>);   // E ≤ 512: Qwen3-Next-80B-A3B
-  return run(moe_router_kernel<32>);
+  if (per_lane <= 1) return launch_instance<1>(a, stream);
+  if (per_lane <= 2) return launch_instance<2>(a, stream);
+  if (per_lane <= 4) return launch_instance<4>(a, stream);
+  if (per_lane <= 8) return launch_instance<8>(a, stream);     // E ≤ 256: Qwen3.5/3.6-35B-A3B
+  if (per_lane <= 16) return launch_instance<16>(a, stream);   // E ≤ 512: Qwen3-Next-80B-A3B
+  return launch_instance<32>(a, stream);
 }
 
 }  // namespace atlas

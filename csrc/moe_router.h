@@ -26,7 +26,8 @@ struct MoeRouterArgs {
   float* weights;       // [T, k (+1)] out
 };
 
-// One launch on `stream` (clusters of 8 CTAs, programmatic dependent launch); never syncs.
+// One launch on `stream` (clusters of 16 CTAs, 8 where the device cannot place 16; programmatic
+// dependent launch); never syncs. The first launch per device asks the occupancy API once.
 // cudaErrorInvalidValue outside the ranges above.
 cudaError_t launch_moe_router(const MoeRouterArgs& args, cudaStream_t stream);
 

@@ -15,8 +15,7 @@ and converted once at load to `weight_format` ("bf16" | "fp8" | "nvfp4").
 Routing never leaves the GPU: router logits → top-k → fixed-size ids int32 [T, k] and weights
 f32 [T, k], and the experts run over those index tensors (see `ExpertBank`), so the whole block
 is CUDA-graph capturable. On CUDA with BF16 or NVFP4 experts a decode step's block (T ≤ 32) is
-four or five launches (one more for a single token over > 320 gate rows, see SparseMoE.route):
-`ops.moe_router` (the [router | shared gate] GEMV and the top-k in one launch; it also emits the shared expert — stored as expert E — as slot k of every row, weight
+four or five launches: `ops.moe_router` (the [router | shared gate] GEMV and the top-k in one launch; it also emits the shared expert — stored as expert E — as slot k of every row, weight
 sigmoid(gate)), and moe_experts' kernels (group
 the pairs by expert, gate+up, down, combine; NVFP4 with T·k ≤ 36, e.g. decode batches up to 4
 at k = 9: no grouping, the expert-indexed one-row GEMV per (token, expert) pair for gate+up and
@@ -379,12 +378,8 @@ class SparseMoE:
         """x [T, h] bf16 → (logits bf16 [T, E (+1)], ids int32 [T, k (+1)], weights f32 [T, k (+1)]),
         on the device. Up to ROUTER_FUSED_MAX_ROWS rows (decode, verify, propose): ops.moe_router,
         one launch; more (prefill chunks): the GEMM (cuBLAS on CUDA) then ops.moe_route — the fused
-        kernel re-reads the gate rows once per 16 tokens. Also unfused: one token over more than
-        ops.MOE_ROUTER_ONE_PASS_ROWS gate rows (Qwen3-Next's 513: the kernel's second tile group
-        costs more than the second launch; H200, bench_moe_router: 10.7 vs 8.2 µs at T = 1, 11.0
-        vs 14.6 at T = 8). Same ids for the same logits either way."""
-        t = x.shape[0]
-        if t <= ROUTER_FUSED_MAX_ROWS and (t > 1 or self.gates.shape[0] <= ops.MOE_ROUTER_ONE_PASS_ROWS):
+        kernel re-reads the gate rows once per 16 tokens. Same ids for the same logits either way."""
+        if x.shape[0] <= ROUTER_FUSED_MAX_ROWS:
             return ops.moe_router(x, self.gates, self.top_k, self.renormalize, num_experts=self.num_experts,
                                   shared_slot=shared_slot)
         logits = self.gate_logits(x)
