@@ -23,9 +23,9 @@
 //   partial per group — or the output itself when the sequence has ≤ 8 splits.
 //
 //   Per 32-position KV tile (kTileN), in shared memory as [32][hd] rows with a 16-byte-chunk
-//   XOR swizzle (conflict-free ldmatrix), filled by cp.async 16 B (thread tid: position
-//   tid / 4, chunks ≡ tid mod 4, one block-id lookup; zero-filled past the split end and for
-//   block ids outside [0, num_blocks)), kStages-deep pipeline:
+//   XOR swizzle (conflict-free ldmatrix), filled by cp.async 16 B (warp w: positions 8w..8w+7,
+//   one whole row per warp instruction, one block-id lookup per row; zero-filled past the split
+//   end and for block ids outside [0, num_blocks)), kStages-deep pipeline:
 //     score    warp w: S[rows, 8 positions 8w..8w+7] = Q · K^T, mma.m16n8k16 bf16 → fp32
 //              (Q from padded smem via ldmatrix, K via ldmatrix; FP8 K converted in registers)
 //     scale    s *= softmax_scale·log2e (FP8: · k_scale[p], per score column), causal mask −inf
@@ -130,6 +130,12 @@
 //       grouped combine's wait-to-exit went 2.6–4.9 → 1.8–2.8 µs on the H200). Same bits.
 //   v11 v7's L2 warm-up only where the block tables can hold a sequence of full-length splits
 //       (≥ kPagedDecodeMinSplitLen positions, L > 3584). Same bits (hints only).
+//   v12 Copies own whole rows: warp w copies tile rows 8w..8w+7 with one row (hd 256 bf16:
+//       512 B, 4 full lines) per warp instruction, where v2–v11's 4-threads-per-row ownership
+//       put 8 half lines in each (twice the L2 requests per byte); block ids looked up once per
+//       row by lanes 0–7 and passed by shuffle. And the L2 fill hint drops to one line (128 B).
+//       H200 (bench/paged_probe, v11 → v12): B = 1 × 32K bf16 16/2 25.8 → 23.4 µs, 24/4 41.6 →
+//       37.3, fp8 21.5 → 20.9; B = 1 × 1K 9.15 → 8.25; B = 32 × 32K 536 → 507. Same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -163,7 +169,10 @@ struct Traits {
   static constexpr int kRowBytes = HD * kElemBytes;        // one position of one kv head
   static constexpr int kChunks = kRowBytes / 16;           // 16-byte chunks per row: 4..32
   static constexpr int kTileBytes = kTileN * kRowBytes;    // one K (or V) tile
-  static constexpr int kPrefetch = kRowBytes < 256 ? kRowBytes : 256;  // L2 fill hint (bytes)
+  // L2 fill hint (bytes): the row, at most one 128-byte line (v12; v3–v11: at most 256). With
+  // whole rows per warp instruction every line of a row is requested at once, so a larger
+  // hint only made L2 fetch ahead what the same instruction already asks for.
+  static constexpr int kPrefetch = kRowBytes < 128 ? kRowBytes : 128;
   // Stages: ≥ 64 KB of KV in flight per CTA where smem allows 2 CTAs/SM (hd 256 bf16: 3).
   static constexpr int kStages = 2 * kTileBytes >= 32768 ? 3 : 4;
   static constexpr int kColsPerWarp = HD / kWarps;         // O columns per warp: 16, 32, 64
@@ -197,8 +206,8 @@ struct Problem {
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-// 16-byte async copy of a KV row chunk, with an L2 prefetch-size hint of kPrefetch bytes (64,
-// 128 or 256: the row's size, at most 256 — never a neighbouring kv head's row); src_bytes 0
+// 16-byte async copy of a KV row chunk, with an L2 prefetch-size hint of kPrefetch bytes (64 or
+// 128: the row's size, at most 128 since v12 — never a neighbouring kv head's row); src_bytes 0
 // (position past the split, block id outside the pool) writes zeros and reads nothing, the
 // zero-fill form CUTLASS's SM80_CP_ASYNC_CACHEGLOBAL_ZFILL uses with the same hint (one
 // LDGSTS with the ignore-source predicate, as v2's; an if/else of a hinted and a plain copy
@@ -429,7 +438,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   auto row_offset = [&](int64_t cache_pos) {
     return (uint64_t)cache_pos * ((uint32_t)a.num_kv_heads * Tr::kRowBytes) + (uint32_t)kvh * Tr::kRowBytes;
   };
-  constexpr int kThreadsPerRow = kThreads / kTileN;            // 4 (copy ownership, see load_tile)
+  constexpr int kThreadsPerRow = kThreads / kTileN;            // 4 threads per tile row (warm-up)
 
   // -- (v7, one-wave grids) warm L2 with this CTA's prologue K/V rows BEFORE pdl_wait, so the
   //    first tiles stream while the previous kernel (the previous layer's or call's combine,
@@ -576,42 +585,55 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     }
 
   // -- load: tile `tile` of this split → stage `stage` (cp.async, zero-filled when invalid).
-  //    Copy ownership: thread tid copies tile row tid / 4 (4 threads per row, 32 rows), chunks
-  //    c = 4k + tid % 4 (a warp instruction covers 8 rows × 64 contiguous bytes), and for FP8
-  //    the row's K scale (tid % 4 == 0) or V scale (== 1). So one block-id lookup per thread
-  //    per tile: the position is clamped into [0, kv_end) (always inside the table, no
-  //    branch); a position past the split end, or whose block id lies outside [0, num_blocks),
-  //    is zero-filled (never read; it reads as K = V = 0). v1 had thread tid copy chunk
-  //    tid % kChunks of rows 4·pass + tid / kChunks (hd 256 bf16): 8 lookups per thread per bf16
-  //    tile, each a dependent L1/L2 round trip behind a branch right before its copy, and ~27
-  //    instructions per 16-byte copy (64-bit address selects): ~435 of a tile's ~675
-  //    instructions per warp at hd 256.
-  constexpr int kChunksPerThread = Tr::kChunks / kThreadsPerRow;
-  static_assert(kThreads % kTileN == 0 && Tr::kChunks % kThreadsPerRow == 0, "copy ownership");
-  const int copy_row = tid / kThreadsPerRow, copy_c0 = tid % kThreadsPerRow;
+  //    Copy ownership (v12): warp w copies tile rows 8w .. 8w+7, each row by kLanesPerRow
+  //    consecutive lanes, lane chunk c = lane % kLanesPerRow — so one warp instruction covers
+  //    whole rows (hd 256 bf16: one 512-byte row, 4 full 128-byte lines), where v2–v11's
+  //    4-threads-per-row ownership covered 8 rows × 64 bytes: 8 half lines, twice the L2
+  //    requests per byte (the moe_experts v8 lesson). Lane l < 8 looks up row 8w + l's block id
+  //    (one lookup per tile, as before) and the row's offset reaches the copying lanes by
+  //    shuffle. The position is clamped into [0, kv_end) (always inside the table, no branch);
+  //    a position past the split end, or whose block id lies outside [0, num_blocks), is
+  //    zero-filled (never read; it reads as K = V = 0). For FP8, lane l < 8 also copies row
+  //    8w + l's K and V scales. The shared-memory image is v11's byte for byte (same swizzle),
+  //    so the math and its bits are unchanged.
+  constexpr int kRowsPerWarp = kTileN / kWarps;                             // 8
+  constexpr int kLanesPerRow = Tr::kChunks < 32 ? Tr::kChunks : 32;         // 4 .. 32
+  constexpr int kRowsPerCopy = 32 / kLanesPerRow;                           // rows per warp instruction
+  static_assert(Tr::kChunks <= 32 && kRowsPerWarp % kRowsPerCopy == 0, "copy ownership");
+  const int lane_chunk = lane % kLanesPerRow, lane_row = lane / kLanesPerRow;
   auto load_tile = [&](int tile, int stage) {
-    const int pos = kv_begin + tile * kTileN + copy_row;
+    // lookup lanes: row 8w + lane (lanes ≥ 8 look up a valid duplicate and are never asked)
+    const int look_row = kRowsPerWarp * warp + (lane % kRowsPerWarp);
+    const int pos = kv_begin + tile * kTileN + look_row;
     const int p = min(pos, kv_end - 1);                        // kv_end > kv_begin here
     const int blk_idx = block_index(p);
     const int blk = __ldg(block_table + blk_idx);
     const bool ok = pos < kv_end && (unsigned)blk < (unsigned)a.num_blocks;
     const int64_t cache_pos = cache_position(blk, pos, blk_idx);
-    const uint64_t row_off = ok ? row_offset(cache_pos) : 0;
-    const uint8_t* k_row = static_cast<const uint8_t*>(a.k_cache) + row_off;
-    const uint8_t* v_row = static_cast<const uint8_t*>(a.v_cache) + row_off;
+    const uint64_t row_off = ok ? row_offset(cache_pos) : 0;  // < 2^63 (pool bytes): a garbage
+                                                               // block id must not reach bit 63
+    // bit 31 of the high word carries ok
+    const uint32_t off_lo = (uint32_t)row_off, off_hi = (uint32_t)(row_off >> 32) | (ok ? 0x80000000u : 0u);
     const uint32_t k_dst = smem_addr(kv_smem) + (stage * 2) * Tr::kTileBytes;
+    const uint8_t* k_pool = static_cast<const uint8_t*>(a.k_cache);
+    const uint8_t* v_pool = static_cast<const uint8_t*>(a.v_cache);
 #pragma unroll
-    for (int k = 0; k < kChunksPerThread; ++k) {
-      const int c = kThreadsPerRow * k + copy_c0;
-      const uint32_t dst = k_dst + Tr::swizzle(copy_row, c);
-      cp_async_16_kv<Tr::kPrefetch>(dst, k_row + 16 * c, ok);
-      cp_async_16_kv<Tr::kPrefetch>(dst + Tr::kTileBytes, v_row + 16 * c, ok);
+    for (int i = 0; i < kRowsPerWarp / kRowsPerCopy; ++i) {
+      const int r = i * kRowsPerCopy + lane_row;               // row within the warp's 8
+      const uint32_t lo = __shfl_sync(0xffffffffu, off_lo, r);
+      const uint32_t hi = __shfl_sync(0xffffffffu, off_hi, r);
+      const bool row_ok = (hi & 0x80000000u) != 0u;
+      const uint64_t off = row_ok ? ((uint64_t)(hi & 0x7fffffffu) << 32 | lo) + 16 * lane_chunk : 0;
+      const uint32_t dst = k_dst + Tr::swizzle(kRowsPerWarp * warp + r, lane_chunk);
+      cp_async_16_kv<Tr::kPrefetch>(dst, k_pool + off, row_ok);
+      cp_async_16_kv<Tr::kPrefetch>(dst + Tr::kTileBytes, v_pool + off, row_ok);
     }
     if constexpr (FP8) {
-      if (copy_c0 < 2) {                                       // 0: K scale, 1: V scale
-        const float* src = copy_c0 == 0 ? a.k_scale : a.v_scale;
-        float* s_dst = scale_smem + (stage * 2 + copy_c0) * kTileN + copy_row;
-        cp_async_4(smem_addr(s_dst), ok ? src + (cache_pos * a.num_kv_heads + kvh) : src, ok);
+      if (lane < kRowsPerWarp) {                               // row look_row's K and V scales
+        const int64_t si = cache_pos * a.num_kv_heads + kvh;
+        float* s_dst = scale_smem + (stage * 2) * kTileN + look_row;
+        cp_async_4(smem_addr(s_dst), ok ? a.k_scale + si : a.k_scale, ok);
+        cp_async_4(smem_addr(s_dst + kTileN), ok ? a.v_scale + si : a.v_scale, ok);
       }
     }
   };
