@@ -320,7 +320,7 @@ int main(int argc, char** argv) {
                                       {32, 512, 16, 2, false}, {32, 1024, 16, 2, false}, {32, 1024, 16, 2, true},
                                       {128, 1024, 16, 2, false}}
                 : std::vector<Config>{{1, 32768, 16, 2, false}, {1, 32768, 16, 2, true}, {1, 32768, 24, 4, false},
-                                      {1, 1024, 16, 2, false}, {32, 32768, 16, 2, false}};
+                                      {1, 1024, 16, 2, false}, {32, 32768, 16, 2, false}, {32, 32768, 16, 2, true}};
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   float* sink;

@@ -1,6 +1,6 @@
 #!/bin/bash
 # bench/paged_probe/run.sh — on a GPU machine: build the probe variants of the CURRENT
-# csrc/paged_decode.cu and print, per config (B=1 × 32K bf16 / fp8 16/2 and bf16 24/4, B=1 × 1K, B=32 × 32K 16/2;
+# csrc/paged_decode.cu and print, per config (B=1 × 32K bf16 / fp8 16/2 and bf16 24/4, B=1 × 1K, B=32 × 32K 16/2 bf16 / fp8;
 # all hd 256), graph-replayed µs (rotating caches; also with the v7 L2 warm-up off) beside plain and
 # paged reads of the same bytes and the floor, then a cold and a chained probed call: launch,
 # CTA start / end spread, per-SM end times, phase and per-tile cycles, combine timing. Then the
