@@ -616,7 +616,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
   for (int p = 0; p < kStages - 1; ++p) {
     if (c_begin + p < c_end) issue_weights(p * lay.bytes, c_begin + p);
   }
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x / x2 and out are now safe
+  pdl_wait();  // x / x2 and out are now safe
 #pragma unroll
   for (int p = 0; p < kStages - 1; ++p) {
     if (c_begin + p < c_end) issue_acts(p * lay.bytes, c_begin + p);
@@ -650,7 +650,7 @@ w4a16_gemv_kernel(const __grid_constant__ W4A16GemvArgs args,
     cur = next;
   }
   // The next kernel may start launching (it waits for this whole grid before reading y).
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  pdl_launch_dependents();
 
   store_rows<MT, TPW>(args, wt, plan, sums, row0, smem);
 }
@@ -730,10 +730,10 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
   W4A16GemvWeight slot_w;                    // kIndexed: slot `slot`'s expert of args.w[wi]
   const W4A16GemvWeight* wp = &args.w[wi];
   if constexpr (kIndexed) {   // the ids come from an earlier kernel: wait first unless ids_ready
-    if (!args.slots.ids_ready) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if (!args.slots.ids_ready) pdl_wait();
     const int e = args.slots.ids[slot];
     if (e < 0 || e >= args.slots.num_experts) {   // CTA-uniform: the slot is skipped
-      asm volatile("griddepcontrol.wait;\n" ::: "memory");   // (every CTA waits before it exits)
+      pdl_wait();   // (every CTA waits before it exits)
       return;
     }
     slot_w = args.w[wi];
@@ -829,7 +829,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
       }
     }
   };
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x / x2 and out are now safe
+  pdl_wait();  // x / x2 and out are now safe
   // Activations through registers (L2-cached loads, 4 units per thread in flight), permuted or
   // converted, stored to their slots: no cp.async group to wait for, so the weight chunks
   // keep streaming and the main loop starts as soon as its first chunk lands. The ring's
@@ -912,7 +912,7 @@ w4a16_gemv_m1_kernel(const __grid_constant__ W4A16GemvArgs args,
     if (kIndexed ? kGemvWords : wt.tiled) run(std::true_type{});
     else run(std::false_type{});
   }
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  pdl_launch_dependents();
   if (wsplits == 1) {
     store_rows<1>(args, wt, plan, sums, row0, smem);
     return;
@@ -1105,7 +1105,7 @@ w4a16_gemv_xres_kernel(const __grid_constant__ W4A16GemvArgs args,
       }
     }
   }
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x and out are now safe
+  pdl_wait();  // x and out are now safe
   {
     const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(args.x) + cta_begin * kChunkK;   // [M, K]
     const int row_units = cta_chunks * kXUnits;                            // 16-byte units per row
@@ -1157,7 +1157,7 @@ w4a16_gemv_xres_kernel(const __grid_constant__ W4A16GemvArgs args,
       sums.finish_segment(S * C, plan);   // S · C = 1: the running sum
       if (cc >= chunks) break;
     }
-    if (gi + clusters >= groups) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if (gi + clusters >= groups) pdl_launch_dependents();
 
     int wi, row;
     locate(gi, wi, row);
