@@ -46,21 +46,22 @@ __device__ __forceinline__ void probe(int i) {
 }
 """)
 rep("  const bool warp_has_rows = tile_row0 < n_rows;\n", "  const bool warp_has_rows = tile_row0 < n_rows;\n  probe(0);\n")
-rep_re(r'  asm volatile\("griddepcontrol.wait;\\n" ::: "memory"\);  // x / x2 and out are now safe\n  // Activations',
-       '  probe(1);\n  asm volatile("griddepcontrol.wait;\\\\n" ::: "memory");\n  probe(2);\n  // Activations')
+rep_re(r'  pdl_wait\(\);  // x / x2 and out are now safe\n  // Activations',
+       '  probe(1);\n  pdl_wait();\n  probe(2);\n  // Activations')
 rep("  for (int i0 = tid; i0 < units; i0 += kUnitBatch * nthreads) {",
     "#ifndef PROBE_NOACT\n  for (int i0 = tid; i0 < units; i0 += kUnitBatch * nthreads) {")
 rep("  __syncthreads();\n\n  // ---- main loop: chunk cc", "#endif\n  __syncthreads();\n  probe(3);\n\n  // ---- main loop: chunk cc")
-rep_re(r"        __syncwarp\(\);( +)// … every lane's; the warp is done with chunk cc − 1's stage\n",
-       "        __syncwarp();\n        if (cc == 0) probe(4);\n")
+rep_re(r"        __syncwarp\(\);( +)// … every lane's; the warp is done with chunk cc − 1's stage\n"
+       r"        if \(cc \+ kStagesM1 - 1 < chunks\) issue\(fill\);\n",      # the one-row kernel's (not v4's)
+       "        __syncwarp();\n        if (cc == 0) probe(4);\n        if (cc + kStagesM1 - 1 < chunks) issue(fill);\n")
 rep("        mma_chunk<1, kTiledBits>(sums.acc, st + lane_w, st + lane_s, xfrag);", """#ifdef PROBE_NOCOMPUTE
         sums.acc[0][0] += __int_as_float(*reinterpret_cast<const int*>(st + lane_w) & 1) + xfrag(0, 0).x * 0;
 #else
         mma_chunk<1, kTiledBits>(sums.acc, st + lane_w, st + lane_s, xfrag);
 #endif""")
-rep_re(r'  asm volatile\("griddepcontrol.launch_dependents;\\n" ::: "memory"\);\n  if \(wsplits == 1\) \{\n'
+rep_re(r'  pdl_launch_dependents\(\);\n  if \(wsplits == 1\) \{\n'
        r'    (store_rows<1>\(args, wt, plan, sums, row0, smem[^;]*\);)\n    return;\n',
-       '  probe(5);\n  asm volatile("griddepcontrol.launch_dependents;\\\\n" ::: "memory");\n  if (wsplits == 1) {\n'
+       '  probe(5);\n  pdl_launch_dependents();\n  if (wsplits == 1) {\n'
        '    \\1\n    probe(6);\n    return;\n')
 rep("      store_out(wt, args.out_dtype, 0, n, acc * factor);\n    }\n  }\n}\n",
     "      store_out(wt, args.out_dtype, 0, n, acc * factor);\n    }\n  }\n  probe(6);\n}\n")
