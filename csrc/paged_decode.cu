@@ -610,9 +610,9 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     const int blk = __ldg(block_table + blk_idx);
     const bool ok = pos < kv_end && (unsigned)blk < (unsigned)a.num_blocks;
     const int64_t cache_pos = cache_position(blk, pos, blk_idx);
-    const uint64_t row_off = ok ? row_offset(cache_pos) : 0;  // < 2^63 (pool bytes): a garbage
-                                                               // block id must not reach bit 63
-    // bit 31 of the high word carries ok
+    // Only a valid row's offset is formed (< 2^63: pool bytes), so bit 31 of its high word is
+    // free to carry `ok` through the shuffle (a garbage block id's sign must never land there).
+    const uint64_t row_off = ok ? row_offset(cache_pos) : 0;
     const uint32_t off_lo = (uint32_t)row_off, off_hi = (uint32_t)(row_off >> 32) | (ok ? 0x80000000u : 0u);
     const uint32_t k_dst = smem_addr(kv_smem) + (stage * 2) * Tr::kTileBytes;
     const uint8_t* k_pool = static_cast<const uint8_t*>(a.k_cache);
