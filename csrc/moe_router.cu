@@ -244,20 +244,10 @@ cudaError_t launch_instance(const MoeRouterArgs& a, cudaStream_t stream) {
     const auto kernel = moe_router_kernel<kPerLane, 16>;
     int clusters = 0;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(16);
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = (kRedFloats + static_cast<size_t>(kTileTokens / 16) * (kMoeRouterMaxExperts + 1)) * sizeof(float);
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = 16;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) clusters = 0;
+      const size_t smem = (kRedFloats + static_cast<size_t>(kTileTokens / 16) * (kMoeRouterMaxExperts + 1)) * sizeof(float);
+      clusters = max_active_clusters(kernel, dev, 16, kThreads, smem, dim3(16));
     }
-    (void)cudaGetLastError();          // a refused attribute or query is not this launch's error
+    (void)cudaGetLastError();          // a refused attribute is not this launch's error
     wide[dev] = clusters > 0 ? 1 : 2;
   }
   return wide[dev] == 1 ? launch_clustered<kPerLane, 16>(a, stream) : launch_clustered<kPerLane, 8>(a, stream);

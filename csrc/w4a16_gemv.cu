@@ -117,9 +117,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 #include <type_traits>
-#include <vector>
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -1433,38 +1431,6 @@ XresPlan plan_xres(const W4A16GemvArgs& a, int segs, int seg_chunks, int sms, in
   return best;
 }
 
-// Clusters of xp.cluster CTAs of `kernel` that fit the device at once (cudaOccupancyMaxActiveClusters),
-// cached per device and launch shape: a host query, made once per shape (normally eager).
-template <typename Kernel>
-int max_active_clusters(Kernel kernel, int dev, const XresPlan& xp) {
-  struct Entry { const void* fn; int dev, cluster, warps, smem, clusters; };
-  static std::mutex mu;
-  static std::vector<Entry> cache;
-  const void* fn = reinterpret_cast<const void*>(kernel);
-  std::lock_guard<std::mutex> lock(mu);
-  for (const Entry& e : cache) {
-    if (e.fn == fn && e.dev == dev && e.cluster == xp.cluster && e.warps == xp.warps && e.smem == xp.smem) return e.clusters;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(xp.ctas);
-  cfg.blockDim = dim3(xp.warps * 32);
-  cfg.dynamicSmemBytes = xp.smem;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = xp.cluster;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();
-    clusters = 0;
-  }
-  cache.push_back({fn, dev, xp.cluster, xp.warps, xp.smem, clusters});
-  return clusters;
-}
-
 template <int MT, bool kWide = false, bool kCluster = false>
 cudaError_t launch_xres(const W4A16GemvArgs& a, const XresPlan& xp, SplitPlan plan, cudaStream_t stream) {
   if constexpr (MT == 1 && !kWide) {
@@ -1484,7 +1450,7 @@ cudaError_t launch_xres(const W4A16GemvArgs& a, const XresPlan& xp, SplitPlan pl
   cfg.dynamicSmemBytes = xp.smem;
   cfg.stream = stream;
   if constexpr (kCluster) {   // persistent clusters: no more than fit at once (a GPC's SMs hold whole clusters)
-    const int clusters = std::min(xp.ctas / xp.cluster, max_active_clusters(kernel, dev, xp));
+    const int clusters = std::min(xp.ctas / xp.cluster, max_active_clusters(kernel, dev, xp.cluster, xp.warps * 32, xp.smem, dim3(xp.ctas)));
     if (clusters < 1) return cudaErrorInvalidConfiguration;
     cfg.gridDim = dim3(clusters * xp.cluster);
   }

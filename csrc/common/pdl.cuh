@@ -9,6 +9,9 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <vector>
+
 namespace atlas {
 
 __device__ __forceinline__ void pdl_wait() {
@@ -66,6 +69,41 @@ template <typename... Params, typename... Args>
 cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                        Args&&... args) {
   return launch_pdl_cluster(kernel, grid, block, smem, stream, 1, static_cast<Args&&>(args)...);
+}
+
+// How many clusters of `cluster` CTAs (along x) of `kernel` — `threads` per CTA, `smem` bytes of
+// dynamic shared memory — device `dev` holds at once (cudaOccupancyMaxActiveClusters; 0 where the
+// query is refused, e.g. a non-portable size the kernel has not opted into). A host query, asked
+// once per (kernel, dev, cluster, threads, smem) and cached; `grid` (a multiple of `cluster`) is
+// the first caller's. Never called during stream work it would have to order against.
+template <typename Kernel>
+int max_active_clusters(Kernel kernel, int dev, int cluster, int threads, size_t smem, dim3 grid) {
+  struct Entry { const void* fn; int dev, cluster, threads; size_t smem; int clusters; };
+  static std::mutex mu;
+  static std::vector<Entry> cache;
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Entry& e : cache) {
+    if (e.fn == fn && e.dev == dev && e.cluster == cluster && e.threads == threads && e.smem == smem) return e.clusters;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();                     // a refused query is not the next launch's error
+    clusters = 0;
+  }
+  cache.push_back({fn, dev, cluster, threads, smem, clusters});
+  return clusters;
 }
 
 }  // namespace atlas
