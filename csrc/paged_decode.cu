@@ -27,24 +27,37 @@
 //   one whole row per warp instruction, one block-id lookup per row; zero-filled past the split
 //   end and for block ids outside [0, num_blocks)), kStages-deep pipeline:
 //     score    warp w: S[rows, 8 positions 8w..8w+7] = Q · K^T, mma.m16n8k16 bf16 → fp32
-//              (Q from padded smem via ldmatrix, K via ldmatrix; FP8 K converted in registers)
-//     scale    s *= softmax_scale·log2e (FP8: · k_scale[p], per score column), causal mask −inf
+//              (Q from padded smem via ldmatrix, K via ldmatrix; FP8: f16 MMAs, K converted
+//              in registers)
+//     scale    s *= softmax_scale·log2e (FP8: · k_scale[p] per score column, · 2^-sq per row),
+//              causal mask −inf
 //     max      quad shuffles → per-warp row max → smem → every warp forms the same tile max
 //     softmax  m' = max(m, tile max); p = 2^(s − m'); α = 2^(m − m'); l = α·l + Σp (per thread,
-//              summed over quads and warps only at the end); P (FP8: · v_scale[p]) → bf16 smem
-//     pv       warp w owns output columns [w·hd/4, (w+1)·hd/4): O = α·O + P · V, mma bf16
+//              summed over quads and warps only at the end); P → bf16 smem (FP8: P · v_scale[p]
+//              · 2^se → f16 smem)
+//     pv       warp w owns output columns [w·hd/4, (w+1)·hd/4): O = α·O + P · V, mma bf16 (f16)
 //   Three __syncthreads per tile: tile landed / warp row maxima / P written.
 //   Lane ownership (g = lane / 4, t = lane % 4, standard mma fragments): score columns
 //   8w + 2t + {0, 1}, rows 16·mt + g (+8); O columns per n8 tile 2t + {0, 1} (BF16) or
 //   4t + {0, 2} | 4t + {1, 3} (FP8, see below), same rows — so α is already in the registers.
 //
-//   FP8 → bf16 in registers without a conversion instruction (the Marlin trick): the 7 low
-//   bits of an e4m3 byte shifted into a bf16's exponent/mantissa give exactly fp8 · 2^-120
-//   (normals and subnormals alike). Four bytes [b0 b1 b2 b3] become bf16x2 (b0, b2) and (b1, b3):
-//   for K (reduction over hd) that permutes hd inside each 16-chunk, so Q is staged with the
-//   same permutation; for V (ldmatrix.trans on byte pairs) it yields the even and odd hd of 16
-//   columns as two n8 tiles. To keep every product far from fp32 subnormals, Q is staged
-//   · 2^64 and P · 2^64 (exact powers of two); scores are · 2^56 and O · 2^56 at the end.
+//   FP8 (v13): the MMAs run in f16, which holds every e4m3 value exactly, so K and V need one
+//   cvt.rn.f16x2.e4m3x2 per byte pair (v1–v12: bf16 MMAs fed by a 5-instruction shift/mask
+//   trick per 4 bytes, the loop's largest cost: fp8 at large B was issue-bound). Four K bytes
+//   [b0 b1 b2 b3] of lane t become the k-slot pairs (2t, 2t+1) ← hd (4t, 4t+1) and (2t+8, 2t+9)
+//   ← hd (4t+2, 4t+3), a permutation of hd inside each 16-chunk that Q is staged with; V's
+//   ldmatrix.trans on byte pairs gives lane (g, t) [pos 2t: hd 2g, 2g+1 | pos 2t+1: hd 2g,
+//   2g+1], one byte permute (0, 2, 1, 3) from the B columns of the even and odd hd n8 tiles.
+//   f16's range is the price, paid by exact powers of two:
+//     Q  each row staged f16(q · 2^sq), sq putting the row's max |q| in [2^14, 2^15): every
+//        element ≥ 2^-17 of the max stays exact (bf16's 8 bits fit f16's 11 down to its
+//        subnormals), so the q·k products are exactly the bf16 query's; 2^-sq joins the row's
+//        score multiplier.
+//     P  p ∈ [0, 1] times v_scale, any positive float: each tile's P is staged f16(p · v_scale
+//        · 2^se) with se putting the tile's max v_scale in [2^14, 2^15) — but never above the
+//        split's previous se (O, accumulated in units of 2^se, steps down through α when se
+//        drops; 2^-se at the end). Terms below 2^-24 of the split's largest scale go to f16
+//        subnormals or zero: P carries 11 significant bits where v1–v12's bf16 P carried 8.
 //
 //   Canonical merge of a sequence's splits (λ_s = log2-sum-exp, o_s = O / l): a left fold in
 //   split order within groups of 8 splits, then over the groups, with every rounding pinned by
@@ -136,6 +149,11 @@
 //       row by lanes 0–7 and passed by shuffle. And the L2 fill hint drops to one line (128 B).
 //       H200 (bench/paged_probe, v11 → v12): B = 1 × 32K bf16 16/2 25.8 → 23.4 µs, 24/4 41.6 →
 //       37.3, fp8 21.5 → 20.9; B = 1 × 1K 9.15 → 8.25; B = 32 × 32K 536 → 507. Same bits.
+//   v13 FP8 through f16 MMAs (see FP8 above): the hd 256 fp8 tile loop 644 → 516 SASS
+//       instructions (the bit trick's LOP3/SHF gone; per tile +1 redux for the P scale, +4
+//       FMUL for the row multipliers); one barrier more per fp8 CTA (the rows' 2^-sq). A timing
+//       variant issuing just the cvts (session 28, bench/paged_probe): fp8 B = 32 × 32K 372 →
+//       334 µs, B = 1 × 32K 20.9 → 19.3. BF16 instances and both combines: SASS unchanged.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -158,10 +176,10 @@ constexpr int kMaxGroups = kPagedDecodeMaxSplits / kSplitGroup;
 static_assert(kPagedDecodeMaxSplits % kSplitGroup == 0, "split groups");
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-// FP8 exponent bookkeeping (see the header comment): bf16(fp8 bits) = fp8 · 2^-120.
-constexpr float kFp8QPreScale = 0x1p64f;    // Q staged · 2^64
-constexpr float kFp8PPreScale = 0x1p64f;    // P · 2^64 before P·V
-constexpr float kFp8Restore = 0x1p56f;      // 2^(120 − 64): applied to scores and to O
+// FP8 power-of-two bookkeeping (see the header comment, v13): Q rows are staged f16 · 2^sq and
+// P tiles f16 · 2^se, so each row's max |q| and each tile's max v_scale land in [2^14, 2^15).
+constexpr int kFp8TargetExp = 14;           // the staged maximum's exponent
+constexpr int kFp8MaxShift = 126;           // |shift| bound: 2^±shift stays a normal float
 
 template <int HD, bool FP8>
 struct Traits {
@@ -196,7 +214,7 @@ struct Problem {
   int row_groups;    // ceil(rows_total / kMaxRows)
   uint32_t bs_mul;   // fast division by block_size: p / bs = umulhi(p, bs_mul) >> bs_shr
   uint32_t bs_shr;
-  float score_mult;  // softmax_scale · log2e (FP8: · 2^56)
+  float score_mult;  // softmax_scale · log2e
   int splits_per_cta;  // 1, or kSplitGroup (fused mode: M_TILES == 1 only; see the launcher)
   int warm_early;      // 1: the grid is one wave → warm L2 with the prologue tiles before pdl_wait (v7)
 };
@@ -261,13 +279,21 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t add
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
-// D += A · B, m16n8k16, bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// D += A · B, m16n8k16, fp32 accumulators; inputs bf16 (BF16 KV) or f16 (FP8 KV, v13).
+template <bool F16>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (F16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // 2^x, ~2 ulp; 2^-inf = 0 (masked scores).
 __device__ __forceinline__ float exp2_approx(float x) {
@@ -279,6 +305,12 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// 2^e as a float, for integer e ∈ [−126, 127] (built from its exponent bits; exact).
+__device__ __forceinline__ float exp2_int(int e) { return __uint_as_float((uint32_t)(e + 127) << 23); }
 // ---- the canonical split merge (one definition for the attention and combine kernels) -------
 // A split s yields λ_s = m + log2 l (log2-sum-exp of its scaled scores) and o_s = O / l. Splits
 // merge as a left fold in split order, within groups of kSplitGroup consecutive splits (level 1,
@@ -342,20 +374,19 @@ __device__ __forceinline__ void fold_group4(const float (&lam)[kSplitGroup], con
   fold_result(f, lam_g, inv_g);
 }
 
-// Four e4m3 bytes [b0 b1 b2 b3] → bf16x2 (b0, b2) and (b1, b3), each value fp8 · 2^-120 exactly:
-// sign stays at bit 15 of each half, the 7 exponent/mantissa bits move down by 4.
-__device__ __forceinline__ void e4m3x4_to_bf16x2(uint32_t x, uint32_t& even, uint32_t& odd) {
-  odd = (x & 0x80008000u) | ((x >> 4) & 0x07F007F0u);
-  const uint32_t y = x << 8;
-  even = (y & 0x80008000u) | ((y >> 4) & 0x07F007F0u);
+// Four e4m3 bytes [b0 b1 b2 b3] → f16x2 (b0, b1) and (b2, b3), exactly (every e4m3 value is an
+// f16): two cvt.rn.f16x2.e4m3x2, the upper byte of each pair to the upper half.
+__device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t x, uint32_t& lo, uint32_t& hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi) : "r"(x));
 }
 
-// FP8 K: within each 16-column chunk, MMA k-slot s holds hd column 4·((s % 8) / 2) + 2·(s % 2) + s / 8
-// (what e4m3x4_to_bf16x2 of an ldmatrix'd K row gives lane t: slots 2t, 2t+1 ← hd 4t, 4t+2;
-// slots 2t+8, 2t+9 ← hd 4t+1, 4t+3). Q is staged in slot order.
+// FP8 K: within each 16-column chunk, MMA k-slot s holds hd column 4·((s % 8) / 2) + 2·(s / 8) + s % 2
+// (what e4m3x4_to_f16x2 of an ldmatrix'd K row gives lane t: slots 2t, 2t+1 ← hd 4t, 4t+1;
+// slots 2t+8, 2t+9 ← hd 4t+2, 4t+3). Q is staged in slot order.
 __device__ __forceinline__ int fp8_k_slot_column(int slot) {
   const int s = slot & 15;
-  return (slot & ~15) + 4 * ((s & 7) >> 1) + 2 * (s & 1) + (s >> 3);
+  return (slot & ~15) + 4 * ((s & 7) >> 1) + 2 * (s >> 3) + (s & 1);
 }
 // O column (within the warp's kColsPerWarp) of element e ∈ {0, 1} of n8 tile `which` ∈ {0, 1}
 // of 16-column V unit u, lane t.
@@ -396,7 +427,7 @@ constexpr int kMinCtasPerSm = M_TILES == 1 ? (FP8 && !QREG ? 3 : 2) : 1;
 // 16 of 30 for fp8; for bf16 ~1/3 of its smem read traffic beside the cp.async fills). Rows
 // 8–15 of the m16 tile are zero padding, so their fragment registers (a1, a3) are the constant
 // 0: HD/16 × 2 registers (32 at hd 256) instead of × 4. The MMA inputs are the same bits as
-// the ldmatrix'd ones (fp8: the permuted, 2^64-scaled staging), so the results are too.
+// the ldmatrix'd ones (fp8: the permuted, 2^sq-scaled f16 staging), so the results are too.
 // bf16 always (v6); fp8 only for one-wave grids (v8): its +32 registers cost the third CTA
 // per SM, which only a multi-wave grid uses.
 template <int HD, bool FP8, int M_TILES, bool QREG>
@@ -526,12 +557,29 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
       for (int i = 0; i < 16; ++i) q_raw[k][i] = src != nullptr ? __ldg(src + i) : (unsigned short)0;
     }
   };
-  // FP8: slot s of a 16-column chunk holds column fp8_k_slot_column(s) (the K permutation),
-  // · 2^64 (exact); zero rows up to kRows. Two 16-byte smem stores per unit.
+  // FP8 (f16 MMAs, v13): slot s of a 16-column chunk holds column fp8_k_slot_column(s) (the K
+  // permutation), as f16(q · 2^sq) with sq per row putting the row's max |q| in [2^14, 2^15):
+  // exact for every element ≥ 2^-17 of it (f16 subnormals), so the scores' products are exactly
+  // those of the bf16 query. The row's max gathers over its kQUnitsPerRow consecutive lanes
+  // (shuffles: rows never straddle a warp); 2^-sq goes to smem (in the P buffer, unused until
+  // the first tile's softmax) for the row's owners. Zero rows up to kRows. Two 16-byte smem
+  // stores per unit.
+  float* q_row_mult_smem = reinterpret_cast<float*>(p_smem);   // [kRows] FP8: 2^-sq of each row
   auto store_q = [&](int batch) {
 #pragma unroll
     for (int k = 0; k < kQBatch; ++k) {
       const int u = tid + (batch * kQBatch + k) * kThreads;
+      float q_mult = 1.f;                       // FP8: 2^sq
+      if constexpr (FP8) {
+        uint32_t mx = 0;                        // max |q| of the row, as bf16 bits
+#pragma unroll
+        for (int i = 0; i < 16; ++i) mx = max(mx, (uint32_t)(q_raw[k][i] & 0x7FFF));
+#pragma unroll
+        for (int o = 1; o < kQUnitsPerRow; o *= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const int sq = min(kFp8TargetExp + 127 - (int)(mx >> 7), kFp8MaxShift);   // ∈ [−113, 126]
+        q_mult = exp2_int(sq);
+        if (u < kQUnits && u % kQUnitsPerRow == 0) q_row_mult_smem[u / kQUnitsPerRow] = exp2_int(-sq);
+      }
       if (u >= kQUnits) continue;
       uint32_t w[8];
 #pragma unroll
@@ -541,8 +589,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         for (int e = 0; e < 2; ++e) {
           const uint32_t raw = q_raw[k][FP8 ? fp8_k_slot_column(2 * p + e) : 2 * p + e];
           if constexpr (FP8) {
-            const float v = __uint_as_float(raw << 16) * kFp8QPreScale;
-            half[e] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+            half[e] = __half_as_ushort(__float2half_rn(__uint_as_float(raw << 16) * q_mult));
           } else {
             half[e] = raw;
           }
@@ -641,7 +688,9 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   // -- running state ---------------------------------------------------------------------------
   float o_acc[M_TILES][2 * Tr::kVUnits][4];   // O rows × this warp's columns (scaled, unnormalized)
   float m_run[M_TILES][2], l_run[M_TILES][2]; // running max (log2 units) and this thread's Σp
+  int p_exp = kFp8MaxShift;                   // FP8: O is in units of 2^p_exp (the split's P scale)
   auto reset_running = [&]() {                // at the start and after each split of a fused group
+    p_exp = kFp8MaxShift;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -668,10 +717,18 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     store_q(batch);
   }
   // QREG: rows 0–7 of each 16-column chunk as A fragments a0 (columns 2t, 2t+1) and a2 (8 + 2t,
-  // 9 + 2t) of row g; one barrier for the staged Q, then a one-off ldmatrix pass.
+  // 9 + 2t) of row g; one barrier for the staged Q, then a one-off ldmatrix pass. FP8: the same
+  // barrier publishes the rows' 2^-sq, read here into each row's score multiplier (before the
+  // first tile's softmax reuses the P buffer: all threads pass that tile's barriers first).
   uint32_t q_frag[QREG ? HD / 16 : 1][2];
+  if constexpr (QREG || FP8) __syncthreads();   // (Q staged) every warp's Q stores visible
+  float row_score_mult[M_TILES][2];             // softmax_scale · log2e (FP8: · 2^-sq of the row)
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+      row_score_mult[mt][hh] = FP8 ? pb.score_mult * q_row_mult_smem[mt * 16 + g + 8 * hh] : pb.score_mult;
   if constexpr (QREG) {
-    __syncthreads();                            // (Q staged) every warp's Q stores visible
 #pragma unroll
     for (int kc = 0; kc < HD / 16; ++kc) {
       uint32_t r[4];
@@ -693,8 +750,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
 
   // -- end of split `split`: λ_s, o_s per row; then out (a single-split sequence), the split's
   //    partial (split mode) or the fold (fused mode); reset the running state. One barrier.
-  const float o_mult = FP8 ? kFp8Restore : 1.f;
   auto finish_split = [&](int split) {
+    const float o_mult = FP8 ? exp2_int(-p_exp) : 1.f;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -798,7 +855,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         uint32_t r[4];
         ldmatrix_x4(r, smem_addr(k_tile + Tr::swizzle(krow, 4 * k64 + lane / 8)));
 #pragma unroll
-        for (int i = 0; i < 4; ++i) e4m3x4_to_bf16x2(r[i], kb[i][0], kb[i][1]);
+        for (int i = 0; i < 4; ++i) e4m3x4_to_f16x2(r[i], kb[i][0], kb[i][1]);
       } else {                                  // one matrix = 8 hd × 8 positions
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
@@ -819,7 +876,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
           } else {
             ldmatrix_x4(qa, smem_addr(q_smem + (mt * 16 + (lane & 15)) * Tr::kQStride + kc * 16 + (lane >> 4) * 8));
           }
-          mma_bf16(s_part[i % kChains][mt], qa, kb[i][0], kb[i][1]);
+          mma_16816<FP8>(s_part[i % kChains][mt], qa, kb[i][0], kb[i][1]);
         }
       }
     }
@@ -843,7 +900,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     const int col = 8 * warp + 2 * t;           // tile column of element 0
     float col_mult[2];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) col_mult[e] = FP8 ? k_scale_tile[col + e] * pb.score_mult : pb.score_mult;
+    for (int e = 0; e < 2; ++e) col_mult[e] = FP8 ? k_scale_tile[col + e] : pb.score_mult;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -851,7 +908,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& sv = s_acc[mt][2 * hh + e];
-          sv = (tile_start + col + e <= last_pos[mt][hh]) ? sv * col_mult[e] : -INFINITY;
+          const float mult = FP8 ? col_mult[e] * row_score_mult[mt][hh] : col_mult[e];
+          sv = (tile_start + col + e <= last_pos[mt][hh]) ? sv * mult : -INFINITY;
         }
         float mx = fmaxf(s_acc[mt][2 * hh], s_acc[mt][2 * hh + 1]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -860,11 +918,26 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
       }
     __syncthreads();                            // (row maxima) all warps' maxima in red_max
 
-    // online softmax: identical m in every warp; P (· v_scale) → bf16 smem
+    // online softmax: identical m in every warp; P (FP8: · v_scale · 2^p_exp) → bf16 (f16) smem.
+    // FP8: the tile's P scale 2^se puts its largest v_scale in [2^14, 2^15) (p ≤ 1, so every
+    // P element < 2^15), taken as the split's new p_exp only when smaller (then O, in units of the
+    // old 2^p_exp, steps down by o_step through α; the scale never grows within a split, so the
+    // large terms already summed stay exact). Every warp derives the same se (redux over the
+    // same 32 scales).
     float alpha[M_TILES][2];
     float p_mult[2];
+    float o_step = 1.f;                         // FP8: 2^(new p_exp − old p_exp) ≤ 1
+    if constexpr (FP8) {
+      const uint32_t vmax = __reduce_max_sync(0xffffffffu, __float_as_uint(v_scale_tile[lane]));
+      const int se = min(p_exp, kFp8TargetExp + 127 - (int)((vmax >> 23) & 0xFF));
+      o_step = exp2_int(max(se - p_exp, -127));   // 2^-127 → 0 (bits 0): a step that large
+      p_exp = se;                                 // only ever meets an O of zeros
+      const float p_scale = exp2_int(se);
 #pragma unroll
-    for (int e = 0; e < 2; ++e) p_mult[e] = FP8 ? v_scale_tile[col + e] * kFp8PPreScale : 1.f;
+      for (int e = 0; e < 2; ++e) p_mult[e] = v_scale_tile[col + e] * p_scale;
+    } else {
+      p_mult[0] = p_mult[1] = 1.f;
+    }
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -880,7 +953,9 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         const float p0 = exp2_approx(s_acc[mt][2 * hh] - m_use);
         const float p1 = exp2_approx(s_acc[mt][2 * hh + 1] - m_use);
         l_run[mt][hh] = l_run[mt][hh] * alpha[mt][hh] + (p0 + p1);
-        *reinterpret_cast<uint32_t*>(p_smem + r * kPStride + col) = pack_bf16x2(p0 * p_mult[0], p1 * p_mult[1]);
+        *reinterpret_cast<uint32_t*>(p_smem + r * kPStride + col) =
+            FP8 ? pack_f16x2(p0 * p_mult[0], p1 * p_mult[1]) : pack_bf16x2(p0 * p_mult[0], p1 * p_mult[1]);
+        if constexpr (FP8) alpha[mt][hh] *= o_step;   // after l's update: l counts p alone
       }
     __syncthreads();                            // (P written) P tile complete
 
@@ -906,8 +981,10 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         if constexpr (FP8) {                    // 16 hd bytes = one chunk; even/odd hd tiles
           uint32_t r[2];
           ldmatrix_x2_trans(r, smem_addr(v_tile + Tr::swizzle(vrow, col0 / 16)));
-          e4m3x4_to_bf16x2(r[0], vb[0][0], vb[1][0]);
-          e4m3x4_to_bf16x2(r[1], vb[0][1], vb[1][1]);
+          // lane (g, t) holds bytes [pos 2t: hd 2g, 2g+1 | pos 2t+1: hd 2g, 2g+1] (positions
+          // 0–7, then 8–15 of the chunk); bytes (0, 2, 1, 3) pair them as each tile's B column
+          e4m3x4_to_f16x2(__byte_perm(r[0], 0, 0x3120), vb[0][0], vb[1][0]);
+          e4m3x4_to_f16x2(__byte_perm(r[1], 0, 0x3120), vb[0][1], vb[1][1]);
         } else {                                // 16 hd = two chunks; hd col0..+7 | col0+8..+15
           uint32_t r[4];
           ldmatrix_x4_trans(r, smem_addr(v_tile + Tr::swizzle(vrow, col0 / 8 + (lane >> 4))));
@@ -915,8 +992,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         }
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-          mma_bf16(o_acc[mt][2 * u], pa[mt], vb[0][0], vb[0][1]);
-          mma_bf16(o_acc[mt][2 * u + 1], pa[mt], vb[1][0], vb[1][1]);
+          mma_16816<FP8>(o_acc[mt][2 * u], pa[mt], vb[0][0], vb[0][1]);
+          mma_16816<FP8>(o_acc[mt][2 * u + 1], pa[mt], vb[1][0], vb[1][1]);
         }
       }
     }
@@ -1360,7 +1437,7 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
     pb.bs_mul = (uint32_t)(((1ull << p) + a.block_size - 1) / a.block_size);
     pb.bs_shr = p - 32;
   }
-  pb.score_mult = a.softmax_scale * kLog2e * (fp8 ? kFp8Restore : 1.f);
+  pb.score_mult = a.softmax_scale * kLog2e;
   const int m_tiles = (min(pb.rows_total, kMaxRows) + 15) / 16;
   // Fused mode (one CTA per group of kSplitGroup splits, folded in registers: partial-O traffic
   // / 8, and none at all for sequences of ≤ 8 splits) once the batch alone gives ≥ kFusedMinCtas

@@ -290,6 +290,43 @@ def test_kernel_matches_reference(shape, kv_dtype):
     _check_against_reference(case, out, lse)
 
 
+FP8_SPREAD_CASES = [  # (B, max_len, bs, hd, nq, nkv, q_len): split mode, fused mode, smem Q
+    (2, 3000, 16, 256, 16, 2, 1),
+    (64, 3000, 16, 128, 8, 2, 1),
+    (3, 1000, 16, 128, 24, 4, 3),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", FP8_SPREAD_CASES, ids=lambda s: "B{}-L{}-bs{}-hd{}-h{}of{}-q{}".format(*s))
+def test_kernel_fp8_scale_spreads(shape):
+    """The FP8 path's f16 staging (paged_decode.cu, v13) against the range it must cover: query
+    heads 2^-20 .. 2^3 apart (each row staged at its own power of two), V scales 2^±8 apart from
+    one 16-position block to the next (each tile's P scale steps down, and O with it, whenever a
+    larger scale arrives), K scales 2^±2 apart. Checked per query-head class, so an error on the
+    small heads is not hidden behind the large ones."""
+    b, n, bs, hd, nq, nkv, t = shape
+    seed = seed_of("fp8-spread", shape)
+    case = make_case(b, n, bs, hd, nq, nkv, t, torch.float8_e4m3fn, device="cuda", seed=seed, v_mag=1.0)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = case["v_scale"].shape[0]
+    v_exp = torch.randint(-8, 9, (blocks, 1, 1), generator=gen, device="cuda").float()
+    k_exp = torch.randint(-2, 3, (blocks, 1, 1), generator=gen, device="cuda").float()
+    case["v_scale"] = case["v_scale"] * torch.exp2(v_exp)
+    case["k_scale"] = case["k_scale"] * torch.exp2(k_exp)
+    head_exp = torch.tensor([-20.0, -8.0, 0.0, 3.0], device="cuda")
+    head_class = torch.arange(nq, device="cuda") % 4
+    case["query"] = (case["query"].float() * torch.exp2(head_exp[head_class]).unsqueeze(-1)).to(torch.bfloat16)
+    out = poison_(torch.empty_like(case["query"]))
+    got, lse = call(case, return_lse=True, out=out)
+    want, want_lse = call(case, fn=reference.paged_decode)
+    assert not torch.isnan(got).any()
+    for c in range(4):
+        heads = head_class == c
+        assert rel_err(got[..., heads, :], want[..., heads, :]) < OUT_TOL, f"head class 2^{int(head_exp[c])}"
+    torch.testing.assert_close(lse, want_lse, atol=LSE_ATOL, rtol=1e-4)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_kernel_empty_and_short_sequences(kv_dtype):

@@ -9,9 +9,7 @@
 #   split64 kPagedDecodeShortSplitLen 64 (L ≤ 1K: up to 16 splits of 64 positions, 2 tiles each)
 #   split32 kPagedDecodeShortSplitLen 32 (L ≤ 512: splits of one tile)
 #   s4      4 stages at every dtype (bf16 hd 256: one CTA per SM; session 27: slower everywhere)
-#   f16cvt  TIMING ONLY (wrong values): the FP8 e4m3 → 16-bit conversion as two
-#           cvt.rn.f16x2.e4m3x2 per 4 bytes instead of the 5-instruction bf16 bit trick — what an
-#           f16-MMA FP8 path would issue (session 27's ncu: fp8 at B = 32 × 32K is issue-bound)
+#   prev    the kernel source at $PREV_SRC (e.g. a saved copy of the previous version), same header
 # Session 12 ran these (bench/NOTES.md, paged_decode): neither beat base. Usage:
 #   VARIANTS="base t128" MODE=time bash bench/paged_probe/variants.sh     (MODE full | time)
 #   CONFIGS=short: B ∈ {1, 8, 32, 128} × L ∈ {512, 1K, 2K} instead of the long-sequence set
@@ -24,15 +22,13 @@ patch_or_die() {  # file sed-expression expected-text
 }
 for v in $VARIANTS; do
   d=$tmp/$v; mkdir -p "$d"
-  python3 make_probe.py ../../csrc/paged_decode.cu "$d/probe_kernel.cu"
+  src=../../csrc/paged_decode.cu; [ "$v" = prev ] && src=${PREV_SRC:?prev needs PREV_SRC}
+  python3 make_probe.py "$src" "$d/probe_kernel.cu" || exit 1
   cp ../../csrc/paged_decode.h "$d/"
   case $v in t128*) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeTargetCtas = 256;/kPagedDecodeTargetCtas = 128;/' "TargetCtas = 128;";; esac
   case $v in split64) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeShortSplitLen = 128;/kPagedDecodeShortSplitLen = 64;/' "SplitLen = 64;";; esac
   case $v in split32) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeShortSplitLen = 128;/kPagedDecodeShortSplitLen = 32;/' "SplitLen = 32;";; esac
   case $v in s4) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 4;/' "kStages = 4;";; esac
-  case $v in f16cvt) patch_or_die "$d/probe_kernel.cu" \
-    '/^  odd = (x & 0x80008000u) | ((x >> 4) & 0x07F007F0u);$/,/^  even = (y & 0x80008000u) | ((y >> 4) & 0x07F007F0u);$/c\  asm("{.reg .b16 lo, hi;\\n mov.b32 {lo, hi}, %2;\\n cvt.rn.f16x2.e4m3x2 %0, lo;\\n cvt.rn.f16x2.e4m3x2 %1, hi;}\\n" : "=r"(even), "=r"(odd) : "r"(x));' \
-    "cvt.rn.f16x2.e4m3x2 %0";; esac
   case $v in *s6) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 2 * kTileBytes >= 32768 ? 6 : 8;/' "? 6 : 8;";; esac
   nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr -I"$d" -I../../csrc -o "$d/bin" driver.cu "$d/probe_kernel.cu" \
     > "$d/build.log" 2>&1 &
