@@ -311,16 +311,22 @@ struct Config { int b, len, nq, nkv; bool fp8; };
 
 int main(int argc, char** argv) {
   const bool full = !(argc > 1 && std::string(argv[1]) == "time");
-  const bool short_set = argc > 2 && std::string(argv[2]) == "short";   // the short-sequence split rule
+  const std::string set = argc > 2 ? argv[2] : "long";
   int sms;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  // short: the short-sequence split rule (L ≤ 2K); mid: 2K < L < 32K, where the minimum split
+  // length (kPagedDecodeMinSplitLen) sets the CTA count of one sequence; long (default).
   const std::vector<Config> configs =
-      short_set ? std::vector<Config>{{1, 512, 16, 2, false},  {1, 1024, 16, 2, false}, {1, 1024, 16, 2, true},
-                                      {1, 1024, 24, 4, false}, {1, 2048, 16, 2, false}, {8, 1024, 16, 2, false},
-                                      {32, 512, 16, 2, false}, {32, 1024, 16, 2, false}, {32, 1024, 16, 2, true},
-                                      {128, 1024, 16, 2, false}}
-                : std::vector<Config>{{1, 32768, 16, 2, false}, {1, 32768, 16, 2, true}, {1, 32768, 24, 4, false},
-                                      {1, 1024, 16, 2, false}, {32, 32768, 16, 2, false}, {32, 32768, 16, 2, true}};
+      set == "short" ? std::vector<Config>{{1, 512, 16, 2, false},  {1, 1024, 16, 2, false}, {1, 1024, 16, 2, true},
+                                           {1, 1024, 24, 4, false}, {1, 2048, 16, 2, false}, {8, 1024, 16, 2, false},
+                                           {32, 512, 16, 2, false}, {32, 1024, 16, 2, false}, {32, 1024, 16, 2, true},
+                                           {128, 1024, 16, 2, false}}
+      : set == "mid" ? std::vector<Config>{{1, 3000, 16, 2, false},  {1, 8192, 16, 2, false}, {1, 8192, 16, 2, true},
+                                           {1, 8192, 24, 4, false},  {1, 8192, 24, 4, true},  {1, 16384, 16, 2, false},
+                                           {8, 8192, 16, 2, false},  {8, 8192, 16, 2, true},  {32, 8192, 16, 2, false},
+                                           {32, 8192, 16, 2, true},  {128, 8192, 16, 2, false}, {128, 8192, 16, 2, true}}
+                     : std::vector<Config>{{1, 32768, 16, 2, false}, {1, 32768, 16, 2, true}, {1, 32768, 24, 4, false},
+                                           {1, 1024, 16, 2, false}, {32, 32768, 16, 2, false}, {32, 32768, 16, 2, true}};
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   float* sink;

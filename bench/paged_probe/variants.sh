@@ -9,10 +9,13 @@
 #   split64 kPagedDecodeShortSplitLen 64 (L ≤ 1K: up to 16 splits of 64 positions, 2 tiles each)
 #   split32 kPagedDecodeShortSplitLen 32 (L ≤ 512: splits of one tile)
 #   s4      4 stages at every dtype (bf16 hd 256: one CTA per SM; session 27: slower everywhere)
+#   min128  kPagedDecodeMinSplitLen 128 (sequences of 2K..32K: twice the splits, up to the cap; the
+#           one-wave L2 warm-up keeps its 256-position gate)
 #   prev    the kernel source at $PREV_SRC (e.g. a saved copy of the previous version), same header
 # Session 12 ran these (bench/NOTES.md, paged_decode): neither beat base. Usage:
 #   VARIANTS="base t128" MODE=time bash bench/paged_probe/variants.sh     (MODE full | time)
-#   CONFIGS=short: B ∈ {1, 8, 32, 128} × L ∈ {512, 1K, 2K} instead of the long-sequence set
+#   CONFIGS=short: B ∈ {1, 8, 32, 128} × L ∈ {512, 1K, 2K} instead of the long-sequence set;
+#   CONFIGS=mid: L ∈ {3000, 8K, 16K} (B = 1) and B ∈ {8, 32, 128} × 8K
 set -uo pipefail
 cd "$(dirname "$0")"
 tmp=${TMPDIR:-/tmp}/paged_variants; mkdir -p "$tmp"
@@ -28,6 +31,8 @@ for v in $VARIANTS; do
   case $v in t128*) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeTargetCtas = 256;/kPagedDecodeTargetCtas = 128;/' "TargetCtas = 128;";; esac
   case $v in split64) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeShortSplitLen = 128;/kPagedDecodeShortSplitLen = 64;/' "SplitLen = 64;";; esac
   case $v in split32) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeShortSplitLen = 128;/kPagedDecodeShortSplitLen = 32;/' "SplitLen = 32;";; esac
+  case $v in min128) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeMinSplitLen = 256;/kPagedDecodeMinSplitLen = 128;/' "MinSplitLen = 128;"
+                    patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
   case $v in s4) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 4;/' "kStages = 4;";; esac
   case $v in *s6) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 2 * kTileBytes >= 32768 ? 6 : 8;/' "? 6 : 8;";; esac
   nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr -I"$d" -I../../csrc -o "$d/bin" driver.cu "$d/probe_kernel.cu" \
