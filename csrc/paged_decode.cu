@@ -154,7 +154,8 @@
 //       FMUL for the row multipliers); one barrier more per fp8 CTA (the rows' 2^-sq). H200
 //       (bench/paged_probe, v12 → v13): fp8 B = 32 × 32K 354 → 323 µs, B = 1 × 32K 20.9 → 19.8;
 //       ncu at B = 32 × 32K: issue active 60 → 53%, DRAM 66 → 71% of peak. BF16 instances and
-//       both combines: SASS unchanged.
+//       both combines: SASS unchanged. The fp8 QREG instance also runs wherever its grid needs
+//       no more rounds of resident CTAs than the 3-CTA one (B = 8 × 8K: 38.1 → 33.9 µs).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -429,8 +430,9 @@ constexpr int kMinCtasPerSm = M_TILES == 1 ? (FP8 && !QREG ? 3 : 2) : 1;
 // 8–15 of the m16 tile are zero padding, so their fragment registers (a1, a3) are the constant
 // 0: HD/16 × 2 registers (32 at hd 256) instead of × 4. The MMA inputs are the same bits as
 // the ldmatrix'd ones (fp8: the permuted, 2^sq-scaled f16 staging), so the results are too.
-// bf16 always (v6); fp8 only for one-wave grids (v8): its +32 registers cost the third CTA
-// per SM, which only a multi-wave grid uses.
+// bf16 always (v6); fp8 where its grid needs no more rounds of resident CTAs than the 3-CTA
+// instance's (v8: one-wave grids; v13: the rule by rounds): its +32 registers cost the third
+// CTA per SM, which only a multi-wave grid uses.
 template <int HD, bool FP8, int M_TILES, bool QREG>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<FP8, M_TILES, QREG>)
 paged_decode_kernel(const __grid_constant__ Problem pb) {
@@ -1346,13 +1348,14 @@ size_t smem_bytes() {
          (size_t)kRows * Tr::kQStride * 2 + (size_t)kRows * kPStride * 2 + 2 * kWarps * kRows * sizeof(float);
 }
 
+// The instance's shared-memory opt-in (> 48 KB must be opted into, once per device) and the
+// number of its CTAs the current device holds at once (cached; host calls only, graph-safe).
 template <int HD, bool FP8, int M_TILES, bool QREG>
-cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
+cudaError_t instance_resident(int64_t& resident_ctas) {
   const size_t smem = smem_bytes<HD, FP8, M_TILES>();
   auto kernel = paged_decode_kernel<HD, FP8, M_TILES, QREG>;
-  // > 48 KB of dynamic smem must be opted into, once per device (a host call, graph-safe).
   static bool opted_in[kMaxDevices] = {};
-  static int64_t resident[kMaxDevices] = {};    // CTAs of this instance the device holds at once
+  static int64_t resident[kMaxDevices] = {};
   int device = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&device));
   if (device >= kMaxDevices) return cudaErrorInvalidDevice;
@@ -1368,6 +1371,16 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
     resident[device] = (int64_t)per_sm * sms;
     opted_in[device] = true;
   }
+  resident_ctas = resident[device];
+  return cudaSuccess;
+}
+
+template <int HD, bool FP8, int M_TILES, bool QREG>
+cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
+  const size_t smem = smem_bytes<HD, FP8, M_TILES>();
+  auto kernel = paged_decode_kernel<HD, FP8, M_TILES, QREG>;
+  int64_t resident = 0;
+  ATLAS_RETURN_IF_ERROR((instance_resident<HD, FP8, M_TILES, QREG>(resident)));
   const int units = (pb.a.max_splits + pb.splits_per_cta - 1) / pb.splits_per_cta;  // per sequence
   const dim3 grid(units * pb.row_groups, pb.a.num_kv_heads, pb.a.batch);
   Problem p = pb;
@@ -1379,7 +1392,7 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   const int capacity = pb.a.max_blocks * pb.a.block_size;
   const bool long_splits =
       paged_decode_split(capacity, paged_decode_split_cap(pb.a.num_kv_heads)).chunk >= kPagedDecodeMinSplitLen;
-  p.warm_early = long_splits && (int64_t)grid.x * grid.y * grid.z <= resident[device] ? 1 : 0;
+  p.warm_early = long_splits && (int64_t)grid.x * grid.y * grid.z <= resident ? 1 : 0;
   return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);   // see pdl_wait in the kernel
 }
 
@@ -1389,11 +1402,16 @@ cudaError_t launch_rows(const Problem& pb, int m_tiles, cudaStream_t stream) {
     case 1:
       if (pb.rows_total <= 8) {                 // Q in registers (see QREG)
         if constexpr (!FP8) return launch_instance<HD, FP8, 1, true>(pb, stream);
-        int device = 0, sms = 0;                // fp8: only where 2 CTAs per SM hold the grid
-        ATLAS_RETURN_IF_ERROR(cudaGetDevice(&device));
-        ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+        // fp8: QREG's registers cost a CTA per SM (hd 256: 2 instead of 3), so it runs where its
+        // grid needs no more rounds of resident CTAs than the smem-Q instance's: one wave (v8),
+        // and e.g. 397..528 CTAs on 132 SMs (session 28: B = 8 × 8K fp8 16/2, 512 CTAs, 38.1 →
+        // 33.9 µs; at 1024 CTAs, 4 rounds against 3, it loses 5%). Same bits either way.
+        int64_t with_qreg = 0, without = 0;
+        ATLAS_RETURN_IF_ERROR((instance_resident<HD, FP8, 1, true>(with_qreg)));
+        ATLAS_RETURN_IF_ERROR((instance_resident<HD, FP8, 1, false>(without)));
         const int64_t units = (pb.a.max_splits + pb.splits_per_cta - 1) / pb.splits_per_cta;
-        if (units * pb.row_groups * pb.a.num_kv_heads * pb.a.batch <= 2ll * sms)
+        const int64_t ctas = units * pb.row_groups * pb.a.num_kv_heads * pb.a.batch;
+        if (with_qreg > 0 && without > 0 && (ctas + with_qreg - 1) / with_qreg <= (ctas + without - 1) / without)
           return launch_instance<HD, FP8, 1, true>(pb, stream);
       }
       return launch_instance<HD, FP8, 1, false>(pb, stream);

@@ -230,7 +230,7 @@ replace("  return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);   /
     g_attn_grid_x = grid.x; g_attn_grid_y = grid.y; g_attn_grid_z = grid.z;
     g_attn_hd = HD; g_attn_fp8 = FP8; g_attn_m_tiles = M_TILES; g_attn_qreg = QREG;
     g_attn_splits_per_cta = pb.splits_per_cta; g_attn_warm = p.warm_early;
-    g_attn_resident = (int)resident[device]; g_attn_regs = fa.numRegs; g_attn_smem = (int)smem;
+    g_attn_resident = (int)resident; g_attn_regs = fa.numRegs; g_attn_smem = (int)smem;
     g_attn_stages = Traits<HD, FP8>::kStages;
     g_comb_kind = g_comb_ctas = g_comb_threads = g_comb_regs = 0;   // set again if a combine follows
   }
