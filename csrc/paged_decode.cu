@@ -1348,6 +1348,13 @@ size_t smem_bytes() {
          (size_t)kRows * Tr::kQStride * 2 + (size_t)kRows * kPStride * 2 + 2 * kWarps * kRows * sizeof(float);
 }
 
+// The attention grid: (split units · row groups, kv heads, sequences), from host-known bounds.
+dim3 attention_grid(const Problem& pb) {
+  const int units = (pb.a.max_splits + pb.splits_per_cta - 1) / pb.splits_per_cta;  // per sequence
+  return dim3(units * pb.row_groups, pb.a.num_kv_heads, pb.a.batch);
+}
+int64_t grid_ctas(const dim3& g) { return (int64_t)g.x * g.y * g.z; }
+
 // The instance's shared-memory opt-in (> 48 KB must be opted into, once per device) and the
 // number of its CTAs the current device holds at once (cached; host calls only, graph-safe).
 template <int HD, bool FP8, int M_TILES, bool QREG>
@@ -1381,8 +1388,7 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   auto kernel = paged_decode_kernel<HD, FP8, M_TILES, QREG>;
   int64_t resident = 0;
   ATLAS_RETURN_IF_ERROR((instance_resident<HD, FP8, M_TILES, QREG>(resident)));
-  const int units = (pb.a.max_splits + pb.splits_per_cta - 1) / pb.splits_per_cta;  // per sequence
-  const dim3 grid(units * pb.row_groups, pb.a.num_kv_heads, pb.a.batch);
+  const dim3 grid = attention_grid(pb);
   Problem p = pb;
   // One wave (v7), and tables that can hold a sequence of full-length splits (v11: shorter ones
   // are a chain of a few round trips, which the warm-up's block-id round trip lengthened — session
@@ -1392,7 +1398,7 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   const int capacity = pb.a.max_blocks * pb.a.block_size;
   const bool long_splits =
       paged_decode_split(capacity, paged_decode_split_cap(pb.a.num_kv_heads)).chunk >= kPagedDecodeMinSplitLen;
-  p.warm_early = long_splits && (int64_t)grid.x * grid.y * grid.z <= resident ? 1 : 0;
+  p.warm_early = long_splits && grid_ctas(grid) <= resident ? 1 : 0;
   return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);   // see pdl_wait in the kernel
 }
 
@@ -1409,8 +1415,7 @@ cudaError_t launch_rows(const Problem& pb, int m_tiles, cudaStream_t stream) {
         int64_t with_qreg = 0, without = 0;
         ATLAS_RETURN_IF_ERROR((instance_resident<HD, FP8, 1, true>(with_qreg)));
         ATLAS_RETURN_IF_ERROR((instance_resident<HD, FP8, 1, false>(without)));
-        const int64_t units = (pb.a.max_splits + pb.splits_per_cta - 1) / pb.splits_per_cta;
-        const int64_t ctas = units * pb.row_groups * pb.a.num_kv_heads * pb.a.batch;
+        const int64_t ctas = grid_ctas(attention_grid(pb));
         if (with_qreg > 0 && without > 0 && (ctas + with_qreg - 1) / with_qreg <= (ctas + without - 1) / without)
           return launch_instance<HD, FP8, 1, true>(pb, stream);
       }

@@ -11,7 +11,8 @@
 #   s4      4 stages at every dtype (bf16 hd 256: one CTA per SM; session 27: slower everywhere)
 #   min128  kPagedDecodeMinSplitLen 128 (sequences of 2K..32K: twice the splits, up to the cap; the
 #           one-wave L2 warm-up keeps its 256-position gate)
-#   fp8qreg FP8 with Q in registers (QREG, 2 CTAs per SM) at every grid size, not only one wave
+#   fp8qreg FP8 with Q in registers (QREG, 2 CTAs per SM) at every grid size, not only where its
+#           grid needs no more rounds of resident CTAs than the 3-CTA instance (session 28: worse)
 #   prev    the kernel source at $PREV_SRC (e.g. a saved copy of the previous version), same header
 # Session 12 ran these (bench/NOTES.md, paged_decode): neither beat base. Usage:
 #   VARIANTS="base t128" MODE=time bash bench/paged_probe/variants.sh     (MODE full | time)
@@ -34,7 +35,7 @@ for v in $VARIANTS; do
   case $v in split32) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeShortSplitLen = 128;/kPagedDecodeShortSplitLen = 32;/' "SplitLen = 32;";; esac
   case $v in min128) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeMinSplitLen = 256;/kPagedDecodeMinSplitLen = 128;/' "MinSplitLen = 128;"
                     patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
-  case $v in fp8qreg) patch_or_die "$d/probe_kernel.cu" 's/if (units \* pb.row_groups \* pb.a.num_kv_heads \* pb.a.batch <= 2ll \* sms)/if (units > 0)/' "if (units > 0)";; esac
+  case $v in fp8qreg) patch_or_die "$d/probe_kernel.cu" 's/if (with_qreg > 0 \&\& without > 0 \&\& (ctas + with_qreg - 1) \/ with_qreg <= (ctas + without - 1) \/ without)/if (with_qreg > 0)/' "if (with_qreg > 0)";; esac
   case $v in s4) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 4;/' "kStages = 4;";; esac
   case $v in *s6) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 2 * kTileBytes >= 32768 ? 6 : 8;/' "? 6 : 8;";; esac
   nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr -I"$d" -I../../csrc -o "$d/bin" driver.cu "$d/probe_kernel.cu" \
