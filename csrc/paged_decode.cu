@@ -398,6 +398,16 @@ __device__ __forceinline__ int o_column(int u, int which, int e, int t) {
   else return 16 * u + 8 * which + 2 * t + e;
 }
 
+// Row (b, j, h) of out [B, q_len, nq, hd] and lse [B, q_len, nq].
+__device__ __forceinline__ int64_t out_row(const PagedDecodeArgs& a, int b, int j, int h) {
+  return ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
+}
+// Slot (b, kvh, split or group s, row gr) of partial_o [B, nkv, max_splits, rows_total, hd] and
+// partial_lse [B, nkv, max_splits, rows_total].
+__device__ __forceinline__ int64_t partial_row(const PagedDecodeArgs& a, int rows_total, int b, int kvh, int s,
+                                               int gr) {
+  return (((int64_t)b * a.num_kv_heads + kvh) * a.max_splits + s) * rows_total + gr;
+}
 // Output row (b, j, h)'s gate (PagedDecodeArgs::gate), or null for an ungated call.
 __device__ __forceinline__ const __nv_bfloat16* gate_row(const PagedDecodeArgs& a, int b, int j, int h) {
   if (a.gate == nullptr) return nullptr;
@@ -778,7 +788,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
         if (plan.count == 1) {                  // the sequence's only split: the output itself
           if (r < rows) {
-            const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
+            const int64_t orow = out_row(a, b, j, h);
             __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * HD + warp * Tr::kColsPerWarp;
             const __nv_bfloat16* gate = gate_row(a, b, j, h);
             if (gate != nullptr) gate += warp * Tr::kColsPerWarp;
@@ -795,7 +805,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
           }
         } else if (!fused) {                    // split mode: partial (λ_s, o_s) for the combine
           if (r < rows) {
-            const int64_t prow = (((int64_t)b * a.num_kv_heads + kvh) * a.max_splits + split) * pb.rows_total + gr;
+            const int64_t prow = partial_row(a, pb.rows_total, b, kvh, split, gr);
             float* po = a.partial_o + prow * HD + warp * Tr::kColsPerWarp;
 #pragma unroll
             for (int u = 0; u < Tr::kVUnits; ++u)
@@ -1030,8 +1040,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
           fold_result(top, lam, inv);
         }
         const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
-        const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
-        const int64_t prow = (((int64_t)b * a.num_kv_heads + kvh) * a.max_splits + group) * pb.rows_total + gr;
+        const int64_t orow = out_row(a, b, j, h);
+        const int64_t prow = partial_row(a, pb.rows_total, b, kvh, group, gr);
         __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * HD + warp * Tr::kColsPerWarp;
         const __nv_bfloat16* gate = single ? gate_row(a, b, j, h) : nullptr;
         if (gate != nullptr) gate += warp * Tr::kColsPerWarp;
@@ -1145,7 +1155,7 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
     if (gi < groups) {                          // level 1: group gi, elements 4·lane ..+3
       const int s0 = gi * kSplitGroup, n = min(count - s0, kSplitGroup);
       const int64_t prow0 =
-          live ? (((int64_t)b * a.num_kv_heads + kvh) * a.max_splits + s0) * pb.rows_total + gr : 0;
+          live ? partial_row(a, pb.rows_total, b, kvh, s0, gr) : 0;
       const int64_t prow_step = live ? pb.rows_total : 0;
       const int o_col = live ? col0 + 4 * lane : 0;
       float lam[kSplitGroup];
@@ -1189,7 +1199,7 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
       float top_lam, top_inv;
       fold_result(top, top_lam, top_inv);
       const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
-      const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
+      const int64_t orow = out_row(a, b, j, h);
       const __nv_bfloat16 o = __float2bfloat16_rn(__fmul_rn(acc, top_inv));
       if (live) {
         static_cast<__nv_bfloat16*>(a.out)[orow * hd + col0 + c] =
@@ -1299,7 +1309,7 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
       const __nv_bfloat16* gate = gate_row(a, b, j, h);
       uint2 gate4{};
       if (gate != nullptr) gate4 = *reinterpret_cast<const uint2*>(gate + col);   // 8-byte aligned: rows are 16
-      const int64_t orow = ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
+      const int64_t orow = out_row(a, b, j, h);
       __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * hd + col;
       const __nv_bfloat16* g4 = reinterpret_cast<const __nv_bfloat16*>(&gate4);
 #pragma unroll
