@@ -17,10 +17,12 @@
 //   Split s of a sequence covers positions [s·chunk, min((s+1)·chunk, L)) (paged_decode_split:
 //   a function of L and nkv alone → batch-invariant bits); CTAs past the split count exit.
 //   The grid is sized from host-known bounds only (max_blocks · bs), so it is graph-capturable.
-//   Two modes, same bits (the canonical merge below): split mode, one CTA per split writing
-//   (λ_s, o_s) partials; fused mode (one row tile, batches giving ≥ 256 CTAs anyway), one CTA
-//   per group of 8 consecutive splits that folds them in registers as it goes and writes one
-//   partial per group — or the output itself when the sequence has ≤ 8 splits.
+//   Two modes, same bits (the canonical merge below): split mode, a CTA per split writing
+//   (λ_s, o_s) partials — or, past one wave of resident CTAs (one row tile), a CTA per k
+//   consecutive splits, streamed through one pipeline, writing each split's partial (v14);
+//   fused mode (one row tile, batches giving ≥ 256 CTAs anyway), one CTA per group of 8
+//   consecutive splits that folds them in registers as it goes and writes one partial per
+//   group — or the output itself when the sequence has ≤ 8 splits.
 //
 //   Per 32-position KV tile (kTileN), in shared memory as [32][hd] rows with a 16-byte-chunk
 //   XOR swizzle (conflict-free ldmatrix), filled by cp.async 16 B (warp w: positions 8w..8w+7,
@@ -156,6 +158,14 @@
 //       ncu at B = 32 × 32K: issue active 60 → 53%, DRAM 66 → 71% of peak. BF16 instances and
 //       both combines: SASS unchanged. The fp8 QREG instance also runs wherever its grid needs
 //       no more rounds of resident CTAs than the 3-CTA one (B = 8 × 8K: 38.1 → 33.9 µs).
+//   v14 Split mode past one wave: where one split per CTA needs more than one round of resident
+//       CTAs (and fused mode is not chosen), each CTA takes the fewest consecutive splits that
+//       fit the grid in one wave and streams them through its pipeline, writing every split's
+//       partial exactly as a one-split CTA does — the running state resets at each split, so
+//       the bits are v13's. H200 (bench/paged_probe, v13 → v14): B = 32 × 1K bf16 16/2 28.8 →
+//       25.8 µs, fp8 23.6 → 21.6, B = 8 × 8K bf16 44.4 → 40.3, fp8 34.0 → 31.2; unchanged
+//       elsewhere. (Measured and not adopted, session 29: a warp-split kernel for ≤ 8 rows,
+//       bench/paged_probe/warp_split.patch — see bench/NOTES.md.)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -217,7 +227,10 @@ struct Problem {
   uint32_t bs_mul;   // fast division by block_size: p / bs = umulhi(p, bs_mul) >> bs_shr
   uint32_t bs_shr;
   float score_mult;  // softmax_scale · log2e
-  int splits_per_cta;  // 1, or kSplitGroup (fused mode: M_TILES == 1 only; see the launcher)
+  int splits_per_cta;  // consecutive splits per CTA: kSplitGroup in fused mode, else ≥ 1 (M_TILES == 1
+                       // only above 1; see the launcher)
+  int fold;            // 1: fused mode (the CTA's group folded in registers); 0: split mode (a partial
+                       // per split, whatever splits_per_cta)
   int warm_early;      // 1: the grid is one wave → warm L2 with the prologue tiles before pdl_wait (v7)
 };
 
@@ -621,7 +634,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   const int first_split = unit * pb.splits_per_cta;
   if (first_split >= plan.count) return;                       // whole CTA: no barrier skipped
   const int last_split = min(first_split + pb.splits_per_cta, plan.count);  // exclusive
-  const bool fused = pb.splits_per_cta > 1;
+  const bool fused = pb.fold != 0;
   const int kv_begin = first_split * plan.chunk;
   const int kv_end = min(last_split * plan.chunk, seq_len);    // ≥ kv_begin; splits never share a tile
   const int n_tiles = (kv_end - kv_begin + kTileN - 1) / kTileN;
@@ -1326,7 +1339,7 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
 // The flat kernel for fused mode and for short tables, the grouped one for long split-mode
 // tables (small batches of long sequences, and verify groups of > 16 rows).
 cudaError_t launch_combine(const Problem& pb, cudaStream_t stream) {
-  const bool fused = pb.splits_per_cta > 1;
+  const bool fused = pb.fold != 0;
   if (fused || pb.a.max_splits <= kFlatMaxSplits) {
     const dim3 grid((pb.rows_total * pb.a.head_dim + kFlatElems - 1) / kFlatElems, pb.a.num_kv_heads, pb.a.batch);
     return fused ? launch_pdl(paged_decode_combine_flat_kernel<true>, grid, dim3(kFlatThreads), 0, stream, pb)
@@ -1398,8 +1411,19 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   auto kernel = paged_decode_kernel<HD, FP8, M_TILES, QREG>;
   int64_t resident = 0;
   ATLAS_RETURN_IF_ERROR((instance_resident<HD, FP8, M_TILES, QREG>(resident)));
-  const dim3 grid = attention_grid(pb);
   Problem p = pb;
+  // Split mode past one wave (v14): each CTA streams the fewest consecutive splits that fit the
+  // grid in one wave of resident CTAs, writing each split's partial as a one-split CTA would
+  // (the running state resets at every split: the same bits). A CTA's prologue and drain then
+  // happen once per k splits, and its pipeline runs on across split boundaries, where v13 ran
+  // ceil(CTAs / resident) rounds of 4- or 8-tile CTAs (B = 32 × 1K 16/2: 512 CTAs, 2 rounds).
+  if (M_TILES == 1 && !p.fold && pb.a.max_splits > 1) {
+    const int64_t seqs = (int64_t)pb.a.batch * pb.a.num_kv_heads;
+    int k = 1;
+    while (k < pb.a.max_splits && seqs * ((pb.a.max_splits + k - 1) / k) > resident) ++k;
+    p.splits_per_cta = k;
+  }
+  const dim3 grid = attention_grid(p);
   // One wave (v7), and tables that can hold a sequence of full-length splits (v11: shorter ones
   // are a chain of a few round trips, which the warm-up's block-id round trip lengthened — session
   // 22 probe, B = 1 × 512 / 1K bf16 16/2: 9.3 → 8.3 / 9.8 → 9.0 µs; the gate is the launcher's
@@ -1480,8 +1504,9 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
   // fold's registers (+32 at hd 256) do not fit beside 2–4 row tiles of O.
   constexpr int64_t kFusedMinCtas = 256;        // ≈ one wave at 2 CTAs per SM on 132 SMs
   const int64_t groups_max = (a.max_splits + kSplitGroup - 1) / kSplitGroup;
-  pb.splits_per_cta = (m_tiles == 1 && a.max_splits > 1 &&
-                       (int64_t)a.batch * a.num_kv_heads * groups_max >= kFusedMinCtas) ? kSplitGroup : 1;
+  pb.fold = (m_tiles == 1 && a.max_splits > 1 &&
+             (int64_t)a.batch * a.num_kv_heads * groups_max >= kFusedMinCtas) ? 1 : 0;
+  pb.splits_per_cta = pb.fold ? kSplitGroup : 1;  // split mode: the instance's launch may stream more
 
   cudaError_t err;
   switch (a.head_dim) {
@@ -1490,7 +1515,7 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
     default: err = fp8 ? launch_rows<256, true>(pb, m_tiles, stream) : launch_rows<256, false>(pb, m_tiles, stream); break;
   }
   ATLAS_RETURN_IF_ERROR(err);
-  const bool partials = pb.splits_per_cta > 1 ? groups_max > 1 : a.max_splits > 1;
+  const bool partials = pb.fold ? groups_max > 1 : a.max_splits > 1;
   if (partials) ATLAS_RETURN_IF_ERROR(launch_combine(pb, stream));
   return cudaSuccess;
 }

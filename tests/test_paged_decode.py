@@ -356,6 +356,7 @@ def test_kernel_strided_query_view():
 INVARIANCE_CASES = [  # (B, max_len, hd, nq, nkv): B · nkv · ceil(splits / 8) ≥ 256 → fused at q_len 1
     (16, 20000, 256, 16, 2),
     (52, 9000, 64, 8, 1),
+    (32, 1000, 256, 16, 2),              # split mode past one wave: CTAs stream 2 splits at q_len 1
 ]
 
 

@@ -264,6 +264,22 @@ void report(const Records& r) {
     }
     print_pct(names[ph], d);
   }
+  {  // the warp-split kernel's issue phase in three (slots 19: plan known, 20: first copies issued)
+    std::vector<long long> plan, first, rest;
+    for (int i = 0; i < r.ctas; ++i) {
+      const unsigned long long* p = rec(i);
+      if (!active(p) || p[19] == 0 || p[20] == 0) continue;
+      plan.push_back((long long)(p[19] - p[10]));
+      first.push_back((long long)(p[20] - p[19]));
+      rest.push_back((long long)(p[11] - p[20]));
+    }
+    if (!plan.empty()) {
+      printf("\n      issue = ");
+      print_pct("plan", plan);
+      print_pct("first-copies", first);
+      print_pct("rest", rest);
+    }
+  }
   std::vector<long long> tiles;
   for (int i = 0; i < r.ctas; ++i) if (active(rec(i)) && rec(i)[17] > 0) tiles.push_back((long long)rec(i)[17] - 1);
   printf("\n      tiles per CTA p0/p50/p100 %lld/%lld/%lld; per tile (cycles):\n", quantile(tiles, 0.0),

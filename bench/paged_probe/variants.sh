@@ -14,6 +14,9 @@
 #   fp8qreg FP8 with Q in registers (QREG, 2 CTAs per SM) at every grid size, not only where its
 #           grid needs no more rounds of resident CTAs than the 3-CTA instance (session 28: worse)
 #   prev    the kernel source at $PREV_SRC (e.g. a saved copy of the previous version), same header
+#   warp    warp_split.patch applied: the ≤ 8-row warp-split kernel of session 29 (2-warp CTAs,
+#           each warp an independent split worker, tile math transposed; bench/NOTES.md: not
+#           adopted — B = 1 short sequences +10..14%)
 # Session 12 ran these (bench/NOTES.md, paged_decode): neither beat base. Usage:
 #   VARIANTS="base t128" MODE=time bash bench/paged_probe/variants.sh     (MODE full | time)
 #   CONFIGS=short: B ∈ {1, 8, 32, 128} × L ∈ {512, 1K, 2K} instead of the long-sequence set;
@@ -28,6 +31,10 @@ patch_or_die() {  # file sed-expression expected-text
 for v in $VARIANTS; do
   d=$tmp/$v; mkdir -p "$d"
   src=../../csrc/paged_decode.cu; [ "$v" = prev ] && src=${PREV_SRC:?prev needs PREV_SRC}
+  if [ "$v" = warp ]; then
+    cp "$src" "$d/patched.cu" && patch -s "$d/patched.cu" < warp_split.patch || { echo "variants.sh: warp_split.patch did not apply" >&2; exit 1; }
+    src=$d/patched.cu
+  fi
   python3 make_probe.py "$src" "$d/probe_kernel.cu" || exit 1
   cp ../../csrc/paged_decode.h "$d/"
   case $v in t128*) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeTargetCtas = 256;/kPagedDecodeTargetCtas = 128;/' "TargetCtas = 128;";; esac
