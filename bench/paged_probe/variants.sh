@@ -17,6 +17,9 @@
 #   warp    warp_split.patch applied: the ≤ 8-row warp-split kernel of session 29 (2-warp CTAs,
 #           each warp an independent split worker, tile math transposed; bench/NOTES.md: not
 #           adopted — B = 1 short sequences +10..14%)
+#   trim    prologue_trim.patch applied: FastDiv for the GQA group, host-side split cap, no
+#           row-group division below 4 row tiles, 16-byte Q loads when aligned (same bits; 13–25%
+#           fewer prologue instructions, yet B = 1 short sequences +0.2 µs on the H200, session 29)
 # Session 12 ran these (bench/NOTES.md, paged_decode): neither beat base. Usage:
 #   VARIANTS="base t128" MODE=time bash bench/paged_probe/variants.sh     (MODE full | time)
 #   CONFIGS=short: B ∈ {1, 8, 32, 128} × L ∈ {512, 1K, 2K} instead of the long-sequence set;
@@ -31,10 +34,11 @@ patch_or_die() {  # file sed-expression expected-text
 for v in $VARIANTS; do
   d=$tmp/$v; mkdir -p "$d"
   src=../../csrc/paged_decode.cu; [ "$v" = prev ] && src=${PREV_SRC:?prev needs PREV_SRC}
-  if [ "$v" = warp ]; then
-    cp "$src" "$d/patched.cu" && patch -s "$d/patched.cu" < warp_split.patch || { echo "variants.sh: warp_split.patch did not apply" >&2; exit 1; }
-    src=$d/patched.cu
-  fi
+  case $v in warp|trim)
+    pf=warp_split.patch; [ "$v" = trim ] && pf=prologue_trim.patch
+    cp "$src" "$d/patched.cu" && patch -s "$d/patched.cu" < $pf || { echo "variants.sh: $pf did not apply" >&2; exit 1; }
+    src=$d/patched.cu;;
+  esac
   python3 make_probe.py "$src" "$d/probe_kernel.cu" || exit 1
   cp ../../csrc/paged_decode.h "$d/"
   case $v in t128*) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeTargetCtas = 256;/kPagedDecodeTargetCtas = 128;/' "TargetCtas = 128;";; esac
