@@ -20,6 +20,7 @@
 #   trim    prologue_trim.patch applied: FastDiv for the GQA group, host-side split cap, no
 #           row-group division below 4 row tiles, 16-byte Q loads when aligned (same bits; 13–25%
 #           fewer prologue instructions, yet B = 1 short sequences +0.2 µs on the H200, session 29)
+#   trimdiv prologue_div.patch: trim without the 16-byte Q loads (bisects trim)
 # Session 12 ran these (bench/NOTES.md, paged_decode): neither beat base. Usage:
 #   VARIANTS="base t128" MODE=time bash bench/paged_probe/variants.sh     (MODE full | time)
 #   CONFIGS=short: B ∈ {1, 8, 32, 128} × L ∈ {512, 1K, 2K} instead of the long-sequence set;
@@ -34,8 +35,8 @@ patch_or_die() {  # file sed-expression expected-text
 for v in $VARIANTS; do
   d=$tmp/$v; mkdir -p "$d"
   src=../../csrc/paged_decode.cu; [ "$v" = prev ] && src=${PREV_SRC:?prev needs PREV_SRC}
-  case $v in warp|trim)
-    pf=warp_split.patch; [ "$v" = trim ] && pf=prologue_trim.patch
+  case $v in warp|trim|trimdiv)
+    pf=warp_split.patch; [ "$v" = trim ] && pf=prologue_trim.patch; [ "$v" = trimdiv ] && pf=prologue_div.patch
     cp "$src" "$d/patched.cu" && patch -s "$d/patched.cu" < $pf || { echo "variants.sh: $pf did not apply" >&2; exit 1; }
     src=$d/patched.cu;;
   esac
