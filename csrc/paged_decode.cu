@@ -1499,7 +1499,8 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
   const int m_tiles = (min(pb.rows_total, kMaxRows) + 15) / 16;
   // Fused mode (one CTA per group of kSplitGroup splits, folded in registers: partial-O traffic
   // / 8, and none at all for sequences of ≤ 8 splits) once the batch alone gives ≥ kFusedMinCtas
-  // CTAs; below that, one CTA per split keeps small batches spread over the SMs. Same bits
+  // CTAs; below that, split mode (a CTA per split, or per k splits past one wave: see
+  // launch_instance) keeps small batches spread over the SMs. Same bits
   // either way (the canonical merge), so the choice may depend on B. One row tile only: the
   // fold's registers (+32 at hd 256) do not fit beside 2–4 row tiles of O.
   constexpr int64_t kFusedMinCtas = 256;        // ≈ one wave at 2 CTAs per SM on 132 SMs

@@ -367,7 +367,8 @@ INVARIANCE_CASES = [  # (B, max_len, hd, nq, nkv): B · nkv · ceil(splits / 8) 
 def test_kernel_batch_invariant(geom, kv_dtype, q_len):
     """A sequence's output bits do not depend on the rest of the batch nor on the table width
     (at q_len 1 the batch runs in fused mode, combined by the flat kernel, and the sequence
-    alone in split mode, its > 16 splits combined by the grouped kernel)."""
+    alone in split mode, its > 16 splits combined by the grouped kernel; B = 32 × 1000 runs in
+    split mode past one wave, 2 splits per CTA, against 1 per CTA alone)."""
     b, n_max, hd, nq, nkv = geom
     case = make_case(b, n_max, 16, hd, nq, nkv, q_len, kv_dtype, device="cuda", seed=seed_of(geom, q_len))
     out, lse = call(case, return_lse=True)
