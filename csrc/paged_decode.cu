@@ -411,6 +411,14 @@ __device__ __forceinline__ int o_column(int u, int which, int e, int t) {
   else return 16 * u + 8 * which + 2 * t + e;
 }
 
+// Query token j and query head h of row gr of a (sequence, kv head): gr = j·group + (h − kvh·group).
+struct RowHead {
+  int j, h;
+};
+__device__ __forceinline__ RowHead row_head(const Problem& pb, int kvh, int gr) {
+  return {gr / pb.group, kvh * pb.group + gr % pb.group};
+}
+
 // Row (b, j, h) of out [B, q_len, nq, hd] and lse [B, q_len, nq].
 __device__ __forceinline__ int64_t out_row(const PagedDecodeArgs& a, int b, int j, int h) {
   return ((int64_t)b * a.q_len + j) * a.num_q_heads + h;
@@ -426,6 +434,9 @@ __device__ __forceinline__ const __nv_bfloat16* gate_row(const PagedDecodeArgs& 
   if (a.gate == nullptr) return nullptr;
   return static_cast<const __nv_bfloat16*>(a.gate) + b * a.gate_stride_b + j * a.gate_stride_t +
          h * a.gate_stride_h;
+}
+__device__ __forceinline__ const __nv_bfloat16* gate_row(const PagedDecodeArgs& a, int b, RowHead rh) {
+  return gate_row(a, b, rh.j, rh.h);
 }
 // One output element from its f32 value v (column c of the row): bf16(v), or gated
 // bf16(bf16(v) · sigmoid(gate[c])) through sigmoid_gate_mul's own expression (common/gate.cuh),
@@ -576,7 +587,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
       const int u = tid + (batch * kQBatch + k) * kThreads, r = u / kQUnitsPerRow;
       const unsigned short* src = nullptr;
       if (u < kQUnits && r < rows) {
-        const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+        const int gr = row0 + r;
+        const auto [j, h] = row_head(pb, kvh, gr);
         src = q_base + b * a.q_stride_b + j * a.q_stride_t + (int64_t)h * HD + 16 * (u % kQUnitsPerRow);
       }
 #pragma unroll
@@ -642,7 +654,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   // A gated CTA that writes out itself (one split, or a fused sequence of one group) warms L2
   // with its rows' gates now, so the epilogue's gate loads do not add a DRAM round trip.
   if (a.gate != nullptr && tid < rows && (plan.count == 1 || (fused && plan.count <= kSplitGroup))) {
-    const int gr = row0 + tid, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+    const int gr = row0 + tid;
+    const auto [j, h] = row_head(pb, kvh, gr);
     prefetch_l2_bulk(gate_row(a, b, j, h), HD * 2);
   }
 
@@ -653,7 +666,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = mt * 16 + g + 8 * hh;
-      const int j = r < rows ? (row0 + r) / pb.group : a.q_len - 1;
+      const int j = r < rows ? row_head(pb, kvh, row0 + r).j : a.q_len - 1;
       last_pos[mt][hh] = min(seq_len - a.q_len + j, kv_end - 1);
     }
 
@@ -798,7 +811,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         for (int w = 0; w < kWarps; ++w) l += red_sum[w * kRows + r];
         const float inv = l > 0.f ? __fdiv_rn(o_mult, l) : 0.f;
         const float lam = l > 0.f ? __fadd_rn(m_run[mt][hh], __log2f(l)) : -INFINITY;  // λ_s
-        const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+        const int gr = row0 + r;
+        const auto [j, h] = row_head(pb, kvh, gr);
         if (plan.count == 1) {                  // the sequence's only split: the output itself
           if (r < rows) {
             const int64_t orow = out_row(a, b, j, h);
@@ -1052,7 +1066,8 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
           fold_coeffs(top, lam_g, ca, cc);
           fold_result(top, lam, inv);
         }
-        const int gr = row0 + r, j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+        const int gr = row0 + r;
+        const auto [j, h] = row_head(pb, kvh, gr);
         const int64_t orow = out_row(a, b, j, h);
         const int64_t prow = partial_row(a, pb.rows_total, b, kvh, group, gr);
         __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + orow * HD + warp * Tr::kColsPerWarp;
@@ -1139,7 +1154,7 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
   // the attention grid's own wait returned; .cg: L2 only, no stale L1 line). After the wait it
   // was a DRAM round trip on the critical path — the KV stream has evicted the q_proj output
   // from L2 — that cost the layer step more than the sigmoid_gate_mul launch it saves.
-  const __nv_bfloat16* gate = gate_row(a, b, gr / pb.group, kvh * pb.group + gr % pb.group);
+  const __nv_bfloat16* gate = gate_row(a, b, row_head(pb, kvh, gr));
   unsigned short gate_c = 0;
   if (gate != nullptr && threadIdx.x < kGcCols)
     gate_c = __ldcg(reinterpret_cast<const unsigned short*>(gate) + col0 + threadIdx.x);
@@ -1211,7 +1226,7 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
       }
       float top_lam, top_inv;
       fold_result(top, top_lam, top_inv);
-      const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+      const auto [j, h] = row_head(pb, kvh, gr);
       const int64_t orow = out_row(a, b, j, h);
       const __nv_bfloat16 o = __float2bfloat16_rn(__fmul_rn(acc, top_inv));
       if (live) {
@@ -1261,7 +1276,7 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
   // would change ptxas' schedule of the split loop (71 → 128 registers).
   if (a.gate != nullptr && e0 < pb.rows_total * hd) {
     const int gr = e0 / hd;
-    prefetch_l2(gate_row(a, b, gr / pb.group, kvh * pb.group + gr % pb.group) + e0 % hd);
+    prefetch_l2(gate_row(a, b, row_head(pb, kvh, gr)) + e0 % hd);
   }
   const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;
@@ -1272,7 +1287,7 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
     return;
   }
   const int gr = e0 / hd, col = e0 % hd;
-  const int j = gr / pb.group, h = kvh * pb.group + gr % pb.group;
+  const auto [j, h] = row_head(pb, kvh, gr);
   // Two passes over one copy of the code, pass 0 before the wait on throwaway loads of one
   // fixed partial line, storing nothing: as in the grouped kernel (v10).
 #pragma unroll 1
