@@ -51,20 +51,29 @@ def _at(anchor: str) -> int:
     return sum(len(l) + 1 for l in lines[:hits[0]])
 
 
+_skip = False   # True: before / after / replace do nothing (a section for code the source lacks)
+
+
 def before(anchor: str, text: str) -> None:
     global src
+    if _skip:
+        return
     i = _at(anchor)
     src = src[:i] + text + src[i:]
 
 
 def after(anchor: str, text: str) -> None:
     global src
+    if _skip:
+        return
     i = _at(anchor) + len(anchor) + 1
     src = src[:i] + text + src[i:]
 
 
 def replace(anchor: str, text: str) -> None:
     global src
+    if _skip:
+        return
     i = _at(anchor)
     src = src[:i] + text + src[i + len(anchor) + 1:]
 
@@ -171,79 +180,80 @@ replace("""\
 
 # ---- warp-split kernel (v14; same record layout: phases, slot 17 = warp 0's items + 1, per-item
 #      stamps of warp 0 in the tile slots) ----------------------------------------------------------
-if "paged_decode_warp_kernel" in src:        # sources before v14 have none
-    after("  constexpr int kMT = Wt::kMTiles;", """\
-      unsigned long long* const probe_rec = probe_record(pb.probe, 64);   // paged_probe
-      probe_stamp(probe_rec, 0);
-      if (probe_rec != nullptr) probe_rec[16] = probe_smid();
-    """)
-    replace("  pdl_wait();                                   // (warp kernel) previous kernel's writes visible\n"
-            "  pdl_launch_dependents();", """\
-      probe_stamp(probe_rec, 1);                    // paged_probe: warm-up issued
-      pdl_wait();                                   // (warp kernel) previous kernel's writes visible
-      pdl_launch_dependents();
-      probe_stamp(probe_rec, 2);                    // paged_probe: PDL wait passed
-    """)
-    replace("  if (first_split >= plan.count) return;        // whole CTA", """\
-      if (first_split >= plan.count) {              // whole CTA
-        if (probe_rec != nullptr) probe_rec[18] = 1;
-        probe_stamp(probe_rec, 7);
-        return;
-      }
-    """)
-    after("  const int kv_end = min(last_split * plan.chunk, seq_len);", """\
-      if (probe_rec != nullptr) probe_rec[17] = (kv_end - first_split * plan.chunk + 31) / 32 + 1;   // paged_probe
-      probe_clock(probe_rec, 19);                   // paged_probe: seq_len and the split plan known
-    """)
-    replace("      if (pro_start[s] < kv_end) load(pro_start[s], pro_blk[s], s);", """\
-          if (pro_start[s] < kv_end) load(pro_start[s], pro_blk[s], s);
-          if (s == 0) probe_clock(probe_rec, 20);   // paged_probe: first item's copies issued
-    """)
-    before("  auto load_next = [&](int stage) {             // the next item, then the following one's lookup",
-           "  probe_stamp(probe_rec, 3);                    // paged_probe: prologue copies issued\n")
-    after("  __syncthreads();                              // (Q read) ml_smem free for the split ends",
-          "  probe_stamp(probe_rec, 4);                    // paged_probe: Q staged\n")
-    after("  int stage = 0;                                // stage of the next item to compute",
-          "  int probe_it = 0;                             // paged_probe\n")
-    before("      cp_async_wait<kStages - 2>();",
-           "      if (probe_it < kProbeTiles) probe_clock(probe_rec, 24 + 2 * probe_it);   // paged_probe: item top\n")
-    after("      __syncwarp();                             // (tile landed) every lane's copies visible", """\
-          if (probe_it < kProbeTiles) probe_clock(probe_rec, 25 + 2 * probe_it);   // paged_probe: item landed
-          if (probe_it == 0) probe_stamp(probe_rec, 5);
-          ++probe_it;
-    """)
-    replace("      tile_math(stage, start);", """\
-    #ifndef PROBE_NOMATH
-          tile_math(stage, start);
-    #endif
-    """)
-    replace("    finish_split(split);\n  }", """\
-        if (split == last_split - 1) probe_stamp(probe_rec, 6);   // paged_probe: last item's math issued
-        finish_split(split);
-      }
-    """)
-    replace("    }\n  }\n}\n\n// ---- launcher -------------------------------------------------------------------------------", """\
-        }
-      }
-      probe_stamp(probe_rec, 7);                    // paged_probe: kernel end
+_skip = "paged_decode_warp_kernel" not in src   # sources without the warp kernel: no-ops
+after("  constexpr int kMT = Wt::kMTiles;", """\
+  unsigned long long* const probe_rec = probe_record(pb.probe, 64);   // paged_probe
+  probe_stamp(probe_rec, 0);
+  if (probe_rec != nullptr) probe_rec[16] = probe_smid();
+""")
+replace("  pdl_wait();                                   // (warp kernel) previous kernel's writes visible\n"
+        "  pdl_launch_dependents();", """\
+  probe_stamp(probe_rec, 1);                    // paged_probe: warm-up issued
+  pdl_wait();                                   // (warp kernel) previous kernel's writes visible
+  pdl_launch_dependents();
+  probe_stamp(probe_rec, 2);                    // paged_probe: PDL wait passed
+""")
+replace("  if (first_split >= plan.count) return;        // whole CTA", """\
+  if (first_split >= plan.count) {              // whole CTA
+    if (probe_rec != nullptr) probe_rec[18] = 1;
+    probe_stamp(probe_rec, 7);
+    return;
+  }
+""")
+after("  const int kv_end = min(last_split * plan.chunk, seq_len);", """\
+  if (probe_rec != nullptr) probe_rec[17] = (kv_end - first_split * plan.chunk + 31) / 32 + 1;   // paged_probe
+  probe_clock(probe_rec, 19);                   // paged_probe: seq_len and the split plan known
+""")
+replace("      if (pro_start[s] < kv_end) load(pro_start[s], pro_blk[s], s);", """\
+      if (pro_start[s] < kv_end) load(pro_start[s], pro_blk[s], s);
+      if (s == 0) probe_clock(probe_rec, 20);   // paged_probe: first item's copies issued
+""")
+before("  auto load_next = [&](int stage) {             // the next item, then the following one's lookup",
+       "  probe_stamp(probe_rec, 3);                    // paged_probe: prologue copies issued\n")
+after("  __syncthreads();                              // (Q read) ml_smem free for the split ends",
+      "  probe_stamp(probe_rec, 4);                    // paged_probe: Q staged\n")
+after("  int stage = 0;                                // stage of the next item to compute",
+      "  int probe_it = 0;                             // paged_probe\n")
+before("      cp_async_wait<kStages - 2>();",
+       "      if (probe_it < kProbeTiles) probe_clock(probe_rec, 24 + 2 * probe_it);   // paged_probe: item top\n")
+after("      __syncwarp();                             // (tile landed) every lane's copies visible", """\
+      if (probe_it < kProbeTiles) probe_clock(probe_rec, 25 + 2 * probe_it);   // paged_probe: item landed
+      if (probe_it == 0) probe_stamp(probe_rec, 5);
+      ++probe_it;
+""")
+replace("      tile_math(stage, start);", """\
+#ifndef PROBE_NOMATH
+      tile_math(stage, start);
+#endif
+""")
+replace("    finish_split(split);\n  }", """\
+    if (split == last_split - 1) probe_stamp(probe_rec, 6);   // paged_probe: last item's math issued
+    finish_split(split);
+  }
+""")
+replace("    }\n  }\n}\n\n// ---- launcher -------------------------------------------------------------------------------", """\
     }
+  }
+  probe_stamp(probe_rec, 7);                    // paged_probe: kernel end
+}
 
-    // ---- launcher -------------------------------------------------------------------------------
-    """)
-    replace("  return launch_pdl(paged_decode_warp_kernel<HD, FP8>, grid, dim3(kWThreads), smem, stream, p);", """\
-      if (g_force_warm >= 0) p.warm_early = g_force_warm;   // paged_probe override
-      {                                                     // paged_probe: what this call launches
-        static cudaFuncAttributes fa{};
-        if (fa.numRegs == 0) (void)cudaFuncGetAttributes(&fa, paged_decode_warp_kernel<HD, FP8>);
-        g_attn_grid_x = grid.x; g_attn_grid_y = grid.y; g_attn_grid_z = grid.z;
-        g_attn_hd = HD; g_attn_fp8 = FP8; g_attn_m_tiles = 0; g_attn_qreg = 1;   // m_tiles 0: the warp kernel
-        g_attn_splits_per_cta = pb.splits_per_cta; g_attn_warm = p.warm_early;
-        g_attn_resident = (int)resident; g_attn_regs = fa.numRegs; g_attn_smem = (int)smem;
-        g_attn_stages = WarpTraits<HD, FP8>::kStages;
-        g_comb_kind = g_comb_ctas = g_comb_threads = g_comb_regs = 0;
-      }
-      return launch_pdl(paged_decode_warp_kernel<HD, FP8>, grid, dim3(kWThreads), smem, stream, p);
-    """)
+// ---- launcher -------------------------------------------------------------------------------
+""")
+replace("  return launch_pdl(paged_decode_warp_kernel<HD, FP8>, grid, dim3(kWThreads), smem, stream, p);", """\
+  if (g_force_warm >= 0) p.warm_early = g_force_warm;   // paged_probe override
+  {                                                     // paged_probe: what this call launches
+    static cudaFuncAttributes fa{};
+    if (fa.numRegs == 0) (void)cudaFuncGetAttributes(&fa, paged_decode_warp_kernel<HD, FP8>);
+    g_attn_grid_x = grid.x; g_attn_grid_y = grid.y; g_attn_grid_z = grid.z;
+    g_attn_hd = HD; g_attn_fp8 = FP8; g_attn_m_tiles = 0; g_attn_qreg = 1;   // m_tiles 0: the warp kernel
+    g_attn_splits_per_cta = pb.splits_per_cta; g_attn_warm = p.warm_early;
+    g_attn_resident = (int)resident; g_attn_regs = fa.numRegs; g_attn_smem = (int)smem;
+    g_attn_stages = WarpTraits<HD, FP8>::kStages;
+    g_comb_kind = g_comb_ctas = g_comb_threads = g_comb_regs = 0;
+  }
+  return launch_pdl(paged_decode_warp_kernel<HD, FP8>, grid, dim3(kWThreads), smem, stream, p);
+""")
+_skip = False
 
 # ---- combine kernels -------------------------------------------------------------------------
 COMB_ENTRY = """\
