@@ -21,6 +21,11 @@
 #           row-group division below 4 row tiles, 16-byte Q loads when aligned (same bits; 13–25%
 #           fewer prologue instructions, yet B = 1 short sequences +0.2 µs on the H200, session 29)
 #   trimdiv prologue_div.patch: trim without the 16-byte Q loads (bisects trim)
+#   nowarm8 v7's one-wave L2 warm-up for BF16 only (session 29's nowarm_us column: FP8 at 8K
+#           pays 0.2–6.8% for it, at 32K it is neutral)
+#   short64 128-position splits up to cap / 2 splits (64 at nkv 2, 32 at nkv 4), not 16: one
+#           sequence's CTAs grow to ≈ 128 before splits lengthen (session 28's min128 without its
+#           16K / 24/4 losses; the one-wave warm-up keeps its 256-position gate)
 # Session 12 ran these (bench/NOTES.md, paged_decode): neither beat base. Usage:
 #   VARIANTS="base t128" MODE=time bash bench/paged_probe/variants.sh     (MODE full | time)
 #   CONFIGS=short: B ∈ {1, 8, 32, 128} × L ∈ {512, 1K, 2K} instead of the long-sequence set;
@@ -47,6 +52,9 @@ for v in $VARIANTS; do
   case $v in split32) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeShortSplitLen = 128;/kPagedDecodeShortSplitLen = 32;/' "SplitLen = 32;";; esac
   case $v in min128) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeMinSplitLen = 256;/kPagedDecodeMinSplitLen = 128;/' "MinSplitLen = 128;"
                     patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
+  case $v in nowarm8) patch_or_die "$d/probe_kernel.cu" 's/p\.warm_early = long_splits \&\& /p.warm_early = !FP8 \&\& long_splits \&\& /' "warm_early = !FP8 \&\& long";; esac
+  case $v in short64) patch_or_die "$d/paged_decode.h" 's/s = s < kPagedDecodeShortSplits ? s : kPagedDecodeShortSplits;/const int64_t sc = cap \/ 2 > kPagedDecodeShortSplits ? cap \/ 2 : kPagedDecodeShortSplits; s = s < sc ? s : sc;/' "s = s < sc ? s : sc;"
+                     patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
   case $v in fp8qreg) patch_or_die "$d/probe_kernel.cu" 's/if (with_qreg > 0 \&\& without > 0 \&\& (ctas + with_qreg - 1) \/ with_qreg <= (ctas + without - 1) \/ without)/if (with_qreg > 0)/' "if (with_qreg > 0)";; esac
   case $v in s4) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 4;/' "kStages = 4;";; esac
   case $v in *s6) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 2 * kTileBytes >= 32768 ? 6 : 8;/' "? 6 : 8;";; esac
