@@ -166,6 +166,11 @@
 //       25.8 µs, fp8 23.6 → 21.6, B = 8 × 8K bf16 44.4 → 40.3, fp8 34.0 → 31.2; unchanged
 //       elsewhere. (Measured and not adopted, session 29: a warp-split kernel for ≤ 8 rows,
 //       bench/paged_probe/warp_split.patch — see bench/NOTES.md.)
+//   v17 Prologue: row → (token, head) and position → block by per-launch FastDivs (group,
+//       block_size), the split cap computed once on the host, no row-group division below 4
+//       row tiles; the L2 warm-up for BF16 only. H200 (bench/paged_probe, session 30, v14 →
+//       v17): B = 1 × 8K fp8 16/2 14.3 → 13.4 µs, B = 32 × 1K bf16 25.8 → 25.5, B = 1 × 512
+//       7.9 → 7.8; nowhere slower. Same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -218,14 +223,25 @@ struct Traits {
   }
 };
 
+// n / d for 0 ≤ n < 2^31 and a divisor d ≥ 1 fixed per launch: umulhi(n, mul) >> shr
+// (Granlund–Montgomery, as CUTLASS's FastDivmod); mul = 0 marks d = 1.
+struct FastDiv {
+  uint32_t mul = 0;
+  uint32_t shr = 0;
+  __device__ __forceinline__ int operator()(int n) const {
+    return mul ? (int)(__umulhi((uint32_t)n, mul) >> shr) : n;
+  }
+};
+
 // Kernel-side problem: the Args plus what the launcher derives once.
 struct Problem {
   PagedDecodeArgs a;
   int group;         // nq / nkv
   int rows_total;    // group · q_len: rows per (sequence, kv head)
   int row_groups;    // ceil(rows_total / kMaxRows)
-  uint32_t bs_mul;   // fast division by block_size: p / bs = umulhi(p, bs_mul) >> bs_shr
-  uint32_t bs_shr;
+  FastDiv div_bs;    // p / block_size
+  FastDiv div_group; // row / group
+  int split_cap;     // paged_decode_split_cap(nkv)
   float score_mult;  // softmax_scale · log2e
   int splits_per_cta;  // consecutive splits per CTA: kSplitGroup in fused mode, else ≥ 1 (M_TILES == 1
                        // only above 1; see the launcher)
@@ -411,12 +427,13 @@ __device__ __forceinline__ int o_column(int u, int which, int e, int t) {
   else return 16 * u + 8 * which + 2 * t + e;
 }
 
-// Query token j and query head h of row gr of a (sequence, kv head): gr = j·group + (h − kvh·group).
+// Query token j and head h of row gr of a (sequence, kv head): gr = j·group + (h − kvh·group).
 struct RowHead {
   int j, h;
 };
 __device__ __forceinline__ RowHead row_head(const Problem& pb, int kvh, int gr) {
-  return {gr / pb.group, kvh * pb.group + gr % pb.group};
+  const int j = pb.div_group(gr);
+  return {j, kvh * pb.group + (gr - j * pb.group)};
 }
 
 // Row (b, j, h) of out [B, q_len, nq, hd] and lse [B, q_len, nq].
@@ -485,8 +502,9 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   float* red_max = reinterpret_cast<float*>(p_smem + kRows * kPStride);     // [kWarps][kRows]
   float* red_sum = red_max + kWarps * kRows;                                // [kWarps][kRows]
 
-  const int unit = blockIdx.x / pb.row_groups;                // split, or split group (fused)
-  const int row0 = (blockIdx.x % pb.row_groups) * kMaxRows;   // first row of this CTA
+  // split, or split group (fused); row group (rows_total > kMaxRows only with 4 row tiles)
+  const int unit = M_TILES < 4 ? blockIdx.x : blockIdx.x / pb.row_groups;
+  const int row0 = M_TILES < 4 ? 0 : (blockIdx.x % pb.row_groups) * kMaxRows;   // first row of this CTA
   const int kvh = blockIdx.y;                                  // kv head
   const int b = blockIdx.z;                                    // sequence
   const int rows = min(kMaxRows, pb.rows_total - row0);        // valid rows, ≤ kRows
@@ -496,7 +514,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   const int capacity = a.max_blocks * a.block_size;
   const int32_t* block_table = a.block_tables + (int64_t)b * a.max_blocks;   // [max_blocks]
   auto block_index = [&](int p) {               // p / bs for 0 ≤ p < 2^31
-    return pb.bs_mul ? (int)(__umulhi((uint32_t)p, pb.bs_mul) >> pb.bs_shr) : p;
+    return pb.div_bs(p);
   };
   // Pool slot of position `pos` (table entry blk_idx, physical block blk), and the byte offset of
   // its kv head kvh row in a cache pool (bytes per slot, all heads, < 2^25).
@@ -519,7 +537,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   //    start long after the previous kernel and would only add the two round trips.
   if (pb.warm_early) {
     const int len = min(max(__ldcg(a.seq_lens + b), 0), capacity);
-    const PagedDecodeSplit sp = paged_decode_split(len, paged_decode_split_cap(a.num_kv_heads));
+    const PagedDecodeSplit sp = paged_decode_split(len, pb.split_cap);
     const int first = unit * pb.splits_per_cta, which = tid % kThreadsPerRow;   // 0: K row, 1: V row
     if (first < sp.count && which < 2) {
       const int begin = first * sp.chunk;
@@ -642,7 +660,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   load_q(0);
 
   const int seq_len = min(max(a.seq_lens[b], 0), capacity);
-  const PagedDecodeSplit plan = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads));
+  const PagedDecodeSplit plan = paged_decode_split(seq_len, pb.split_cap);
   const int first_split = unit * pb.splits_per_cta;
   if (first_split >= plan.count) return;                       // whole CTA: no barrier skipped
   const int last_split = min(first_split + pb.splits_per_cta, plan.count);  // exclusive
@@ -666,7 +684,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = mt * 16 + g + 8 * hh;
-      const int j = r < rows ? row_head(pb, kvh, row0 + r).j : a.q_len - 1;
+      const int j = r < rows ? pb.div_group(row0 + r) : a.q_len - 1;
       last_pos[mt][hh] = min(seq_len - a.q_len + j, kv_end - 1);
     }
 
@@ -1158,7 +1176,7 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
   unsigned short gate_c = 0;
   if (gate != nullptr && threadIdx.x < kGcCols)
     gate_c = __ldcg(reinterpret_cast<const unsigned short*>(gate) + col0 + threadIdx.x);
-  const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
+  const int count = paged_decode_split(seq_len, pb.split_cap).count;
   if (count <= 1) {                             // the attention kernel wrote out (whole CTA)
     pdl_wait();                                 // (every CTA waits: the grid's end implies the attention's)
     pdl_launch_dependents();
@@ -1278,7 +1296,7 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
     const int gr = e0 / hd;
     prefetch_l2(gate_row(a, b, row_head(pb, kvh, gr)) + e0 % hd);
   }
-  const int count = paged_decode_split(seq_len, paged_decode_split_cap(a.num_kv_heads)).count;
+  const int count = paged_decode_split(seq_len, pb.split_cap).count;
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;
   // count ≤ 1, or a fused sequence of one group: the attention kernel wrote out (see there)
   if (count <= 1 || (kFused && groups <= 1) || e0 >= pb.rows_total * hd) {
@@ -1375,6 +1393,16 @@ int ceil_log2(uint32_t d) {
   while ((1ull << s) < d) ++s;
   return s;
 }
+// FastDiv for d ≥ 1: mul = ceil(2^p / d), p = 31 + ceil(log2 d), exact for 0 ≤ n < 2^31.
+FastDiv fast_div(int d) {
+  FastDiv f;
+  if (d > 1) {
+    const int p = 31 + ceil_log2((uint32_t)d);
+    f.mul = (uint32_t)(((1ull << p) + d - 1) / d);
+    f.shr = p - 32;
+  }
+  return f;
+}
 
 constexpr int kMaxDevices = 64;
 
@@ -1443,11 +1471,13 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   // are a chain of a few round trips, which the warm-up's block-id round trip lengthened — session
   // 22 probe, B = 1 × 512 / 1K bf16 16/2: 9.3 → 8.3 / 9.8 → 9.0 µs; the gate is the launcher's
   // alone: the same test in the kernel, on the sequence's own length, cost B = 32 × 32K 1.5%
-  // with the warm-up off there).
+  // with the warm-up off there). BF16 only (v17): FP8's prologue tiles are half the bytes, and
+  // the warm-up never paid for them — session 30 probe (two runs, µs on → off): B = 1 × 8K 16/2
+  // 14.3 → 13.4, 24/4 14.5 → 13.8, B = 8 × 8K 31.4 → 31.0; B = 1 × 32K 19.8 either way.
   const int capacity = pb.a.max_blocks * pb.a.block_size;
   const bool long_splits =
-      paged_decode_split(capacity, paged_decode_split_cap(pb.a.num_kv_heads)).chunk >= kPagedDecodeMinSplitLen;
-  p.warm_early = long_splits && grid_ctas(grid) <= resident ? 1 : 0;
+      paged_decode_split(capacity, pb.split_cap).chunk >= kPagedDecodeMinSplitLen;
+  p.warm_early = !FP8 && long_splits && grid_ctas(grid) <= resident ? 1 : 0;
   return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);   // see pdl_wait in the kernel
 }
 
@@ -1502,14 +1532,9 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
   pb.rows_total = pb.group * a.q_len;
   pb.row_groups = (pb.rows_total + kMaxRows - 1) / kMaxRows;
   if ((int64_t)a.max_splits * pb.row_groups > (1ll << 31) - 1) return cudaErrorInvalidValue;
-  // p / bs = umulhi(p, mul) >> shr for 0 ≤ p < 2^31 (Granlund–Montgomery; CUTLASS FastDivmod).
-  if (a.block_size == 1) {
-    pb.bs_mul = 0; pb.bs_shr = 0;               // the kernel divides by 1 as identity
-  } else {
-    const int p = 31 + ceil_log2((uint32_t)a.block_size);
-    pb.bs_mul = (uint32_t)(((1ull << p) + a.block_size - 1) / a.block_size);
-    pb.bs_shr = p - 32;
-  }
+  pb.div_bs = fast_div(a.block_size);
+  pb.div_group = fast_div(pb.group);
+  pb.split_cap = paged_decode_split_cap(a.num_kv_heads);
   pb.score_mult = a.softmax_scale * kLog2e;
   const int m_tiles = (min(pb.rows_total, kMaxRows) + 15) / 16;
   // Fused mode (one CTA per group of kSplitGroup splits, folded in registers: partial-O traffic
