@@ -17,10 +17,8 @@
 #   warp    warp_split.patch applied: the ≤ 8-row warp-split kernel of session 29 (2-warp CTAs,
 #           each warp an independent split worker, tile math transposed; bench/NOTES.md: not
 #           adopted — B = 1 short sequences +10..14%)
-#   trim    prologue_trim.patch applied: FastDiv for the GQA group, host-side split cap, no
-#           row-group division below 4 row tiles, 16-byte Q loads when aligned (same bits; 13–25%
-#           fewer prologue instructions, yet B = 1 short sequences +0.2 µs on the H200, session 29)
-#   trimdiv prologue_div.patch: trim without the 16-byte Q loads (bisects trim)
+#   trim    prologue_trim.patch applied: 16-byte Q loads when the query rows are aligned (the
+#           part of session 29's v16 that v17 did not take: B = 1 short sequences +0.2 µs)
 #   nowarm8 v7's one-wave L2 warm-up for BF16 only (session 29's nowarm_us column: FP8 at 8K
 #           pays 0.2–6.8% for it, at 32K it is neutral)
 #   short64 128-position splits up to cap / 2 splits (64 at nkv 2, 32 at nkv 4), not 16: one
@@ -40,8 +38,8 @@ patch_or_die() {  # file sed-expression expected-text
 for v in $VARIANTS; do
   d=$tmp/$v; mkdir -p "$d"
   src=../../csrc/paged_decode.cu; [ "$v" = prev ] && src=${PREV_SRC:?prev needs PREV_SRC}
-  case $v in warp|trim|trimdiv)
-    pf=warp_split.patch; [ "$v" = trim ] && pf=prologue_trim.patch; [ "$v" = trimdiv ] && pf=prologue_div.patch
+  case $v in warp|trim)
+    pf=warp_split.patch; [ "$v" = trim ] && pf=prologue_trim.patch
     cp "$src" "$d/patched.cu" && patch -s "$d/patched.cu" < $pf || { echo "variants.sh: $pf did not apply" >&2; exit 1; }
     src=$d/patched.cu;;
   esac
