@@ -9,6 +9,7 @@
 #   split64 kPagedDecodeShortSplitLen 64 (L ≤ 1K: up to 16 splits of 64 positions, 2 tiles each)
 #   split32 kPagedDecodeShortSplitLen 32 (L ≤ 512: splits of one tile)
 #   s4      4 stages at every dtype (bf16 hd 256: one CTA per SM; session 27: slower everywhere)
+#   s6      6 bf16 / 8 fp8 stages (one CTA per SM; session 30: slower everywhere, B = 1 × 8K too)
 #   min128  kPagedDecodeMinSplitLen 128 (sequences of 2K..32K: twice the splits, up to the cap; the
 #           one-wave L2 warm-up keeps its 256-position gate)
 #   fp8qreg FP8 with Q in registers (QREG, 2 CTAs per SM) at every grid size, not only where its
