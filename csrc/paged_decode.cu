@@ -171,6 +171,10 @@
 //       row tiles; the L2 warm-up for BF16 only. H200 (bench/paged_probe, session 30, v14 →
 //       v17): B = 1 × 8K fp8 16/2 14.3 → 13.4 µs, B = 32 × 1K bf16 25.8 → 25.5, B = 1 × 512
 //       7.9 → 7.8; nowhere slower. Same bits.
+//   v18 BF16 one-row-tile scores in 4 accumulator chains (was 2): hd 256's 16 score MMAs per
+//       warp and tile as 4 dependent chains of 4. Other bits (the chains' sum order), the same
+//       in every BF16 instance. H200 (bench/paged_probe variant ch4, session 30): B = 1 × 8K
+//       13.3 → 13.1 µs, × 1K 8.26 → 8.14, 24/4 × 8K 14.1 → 13.85; batched BF16 unchanged.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -896,8 +900,12 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     const int tile_start = kv_begin + tile * kTileN;
 
     // score: S[rows, 8w .. 8w+7] = Q · K^T, 64 hd per step. With one row tile the hd/16 MMAs
-    // would form one dependent chain; kChains accumulators (k chunks alternate) halve it.
-    constexpr int kChains = M_TILES == 1 ? 2 : 1;
+    // would form one dependent chain; kChains accumulators (k chunk i feeds chain i % kChains)
+    // cut it to hd/16 / kChains, summed in chain order. v18: 4 chains for BF16 (B = 1 is this
+    // chain's latency, tile after tile); FP8 keeps 2 — its 3-CTA instance (168 registers) spills
+    // with 4 and ran large batches 2% slower (session 30). QREG and smem-Q instances of a dtype
+    // share the count, so a row's bits never depend on which one ran.
+    constexpr int kChains = M_TILES == 1 ? (FP8 ? 2 : 4) : 1;
     float s_part[kChains][M_TILES][4];
 #pragma unroll
     for (int c = 0; c < kChains; ++c)

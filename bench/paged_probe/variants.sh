@@ -10,6 +10,8 @@
 #   split32 kPagedDecodeShortSplitLen 32 (L ≤ 512: splits of one tile)
 #   s4      4 stages at every dtype (bf16 hd 256: one CTA per SM; session 27: slower everywhere)
 #   s6      6 bf16 / 8 fp8 stages (one CTA per SM; session 30: slower everywhere, B = 1 × 8K too)
+#   ch4fp8  FP8 one-row-tile scores in 4 accumulator chains too (v18 gave BF16 4, FP8 kept 2: the
+#           fp8 3-CTA instance spills 8 B with 4 and ran B = 32 × 32K ≈ 2% slower, session 30)
 #   min128  kPagedDecodeMinSplitLen 128 (sequences of 2K..32K: twice the splits, up to the cap; the
 #           one-wave L2 warm-up keeps its 256-position gate)
 #   fp8qreg FP8 with Q in registers (QREG, 2 CTAs per SM) at every grid size, not only where its
@@ -54,6 +56,7 @@ for v in $VARIANTS; do
   case $v in nowarm8) patch_or_die "$d/probe_kernel.cu" 's/p\.warm_early = long_splits \&\& /p.warm_early = !FP8 \&\& long_splits \&\& /' "warm_early = !FP8 \&\& long";; esac
   case $v in short64) patch_or_die "$d/paged_decode.h" 's/s = s < kPagedDecodeShortSplits ? s : kPagedDecodeShortSplits;/const int64_t sc = cap \/ 2 > kPagedDecodeShortSplits ? cap \/ 2 : kPagedDecodeShortSplits; s = s < sc ? s : sc;/' "s = s < sc ? s : sc;"
                      patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
+  case $v in ch4fp8) patch_or_die "$d/probe_kernel.cu" 's/constexpr int kChains = M_TILES == 1 ? (FP8 ? 2 : 4) : 1;/constexpr int kChains = M_TILES == 1 ? 4 : 1;/' "M_TILES == 1 ? 4 : 1;";; esac
   case $v in fp8qreg) patch_or_die "$d/probe_kernel.cu" 's/if (with_qreg > 0 \&\& without > 0 \&\& (ctas + with_qreg - 1) \/ with_qreg <= (ctas + without - 1) \/ without)/if (with_qreg > 0)/' "if (with_qreg > 0)";; esac
   case $v in s4) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 4;/' "kStages = 4;";; esac
   case $v in *s6) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 2 * kTileBytes >= 32768 ? 6 : 8;/' "? 6 : 8;";; esac
