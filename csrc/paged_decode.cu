@@ -175,6 +175,7 @@
 //       warp and tile as 4 dependent chains of 4. Other bits (the chains' sum order), the same
 //       in every BF16 instance. H200 (bench/paged_probe variant ch4, session 30): B = 1 × 8K
 //       13.3 → 13.1 µs, × 1K 8.26 → 8.14, 24/4 × 8K 14.1 → 13.85; batched BF16 unchanged.
+//   v19 The L2 warm-up only for grids over more than half the SMs (launch_instance).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -1429,14 +1430,16 @@ dim3 attention_grid(const Problem& pb) {
 }
 int64_t grid_ctas(const dim3& g) { return (int64_t)g.x * g.y * g.z; }
 
-// The instance's shared-memory opt-in (> 48 KB must be opted into, once per device) and the
-// number of its CTAs the current device holds at once (cached; host calls only, graph-safe).
+// The instance's shared-memory opt-in (> 48 KB must be opted into, once per device), the
+// number of its CTAs the current device holds at once and (sm_count) its SMs (cached; host
+// calls only, graph-safe).
 template <int HD, bool FP8, int M_TILES, bool QREG>
-cudaError_t instance_resident(int64_t& resident_ctas) {
+cudaError_t instance_resident(int64_t& resident_ctas, int* sm_count = nullptr) {
   const size_t smem = smem_bytes<HD, FP8, M_TILES>();
   auto kernel = paged_decode_kernel<HD, FP8, M_TILES, QREG>;
   static bool opted_in[kMaxDevices] = {};
   static int64_t resident[kMaxDevices] = {};
+  static int sm_counts[kMaxDevices] = {};
   int device = 0;
   ATLAS_RETURN_IF_ERROR(cudaGetDevice(&device));
   if (device >= kMaxDevices) return cudaErrorInvalidDevice;
@@ -1450,9 +1453,11 @@ cudaError_t instance_resident(int64_t& resident_ctas) {
     ATLAS_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
     ATLAS_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     resident[device] = (int64_t)per_sm * sms;
+    sm_counts[device] = sms;
     opted_in[device] = true;
   }
   resident_ctas = resident[device];
+  if (sm_count != nullptr) *sm_count = sm_counts[device];
   return cudaSuccess;
 }
 
@@ -1461,7 +1466,8 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   const size_t smem = smem_bytes<HD, FP8, M_TILES>();
   auto kernel = paged_decode_kernel<HD, FP8, M_TILES, QREG>;
   int64_t resident = 0;
-  ATLAS_RETURN_IF_ERROR((instance_resident<HD, FP8, M_TILES, QREG>(resident)));
+  int sms = 0;
+  ATLAS_RETURN_IF_ERROR((instance_resident<HD, FP8, M_TILES, QREG>(resident, &sms)));
   Problem p = pb;
   // Split mode past one wave (v14): each CTA streams the fewest consecutive splits that fit the
   // grid in one wave of resident CTAs, writing each split's partial as a one-split CTA would
@@ -1481,11 +1487,15 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   // alone: the same test in the kernel, on the sequence's own length, cost B = 32 × 32K 1.5%
   // with the warm-up off there). BF16 only (v17): FP8's prologue tiles are half the bytes, and
   // the warm-up never paid for them — session 30 probe (two runs, µs on → off): B = 1 × 8K 16/2
-  // 14.3 → 13.4, 24/4 14.5 → 13.8, B = 8 × 8K 31.4 → 31.0; B = 1 × 32K 19.8 either way.
+  // 14.3 → 13.4, 24/4 14.5 → 13.8, B = 8 × 8K 31.4 → 31.0; B = 1 × 32K 19.8 either way. And
+  // (v19) only for grids over more than half the SMs: below that DRAM is far from busy, so an
+  // early prefetch buys nothing and its block-id round trip before the wait is pure latency —
+  // B = 1 × 8K 16/2 (64 CTAs) 13.17 → 12.87 µs without it, while 128 CTAs (24/4 × 8K, × 16K)
+  // gained 0.3–0.5 µs from it and 256 (× 32K) 1.4.
   const int capacity = pb.a.max_blocks * pb.a.block_size;
   const bool long_splits =
       paged_decode_split(capacity, pb.split_cap).chunk >= kPagedDecodeMinSplitLen;
-  p.warm_early = !FP8 && long_splits && grid_ctas(grid) <= resident ? 1 : 0;
+  p.warm_early = !FP8 && long_splits && grid_ctas(grid) <= resident && 2 * grid_ctas(grid) > sms ? 1 : 0;
   return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);   // see pdl_wait in the kernel
 }
 

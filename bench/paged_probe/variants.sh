@@ -22,8 +22,6 @@
 #           adopted — B = 1 short sequences +10..14%)
 #   trim    prologue_trim.patch applied: 16-byte Q loads when the query rows are aligned (the
 #           part of session 29's v16 that v17 did not take: B = 1 short sequences +0.2 µs)
-#   nowarm8 v7's one-wave L2 warm-up for BF16 only (session 29's nowarm_us column: FP8 at 8K
-#           pays 0.2–6.8% for it, at 32K it is neutral)
 #   short64 128-position splits up to cap / 2 splits (64 at nkv 2, 32 at nkv 4), not 16: one
 #           sequence's CTAs grow to ≈ 128 before splits lengthen (session 28's min128 without its
 #           16K / 24/4 losses; the one-wave warm-up keeps its 256-position gate)
@@ -53,7 +51,6 @@ for v in $VARIANTS; do
   case $v in split32) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeShortSplitLen = 128;/kPagedDecodeShortSplitLen = 32;/' "SplitLen = 32;";; esac
   case $v in min128) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeMinSplitLen = 256;/kPagedDecodeMinSplitLen = 128;/' "MinSplitLen = 128;"
                     patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
-  case $v in nowarm8) patch_or_die "$d/probe_kernel.cu" 's/p\.warm_early = long_splits \&\& /p.warm_early = !FP8 \&\& long_splits \&\& /' "warm_early = !FP8 \&\& long";; esac
   case $v in short64) patch_or_die "$d/paged_decode.h" 's/s = s < kPagedDecodeShortSplits ? s : kPagedDecodeShortSplits;/const int64_t sc = cap \/ 2 > kPagedDecodeShortSplits ? cap \/ 2 : kPagedDecodeShortSplits; s = s < sc ? s : sc;/' "s = s < sc ? s : sc;"
                      patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
   case $v in ch4fp8) patch_or_die "$d/probe_kernel.cu" 's/constexpr int kChains = M_TILES == 1 ? (FP8 ? 2 : 4) : 1;/constexpr int kChains = M_TILES == 1 ? 4 : 1;/' "M_TILES == 1 ? 4 : 1;";; esac
