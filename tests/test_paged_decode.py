@@ -357,6 +357,7 @@ INVARIANCE_CASES = [  # (B, max_len, hd, nq, nkv): B · nkv · ceil(splits / 8) 
     (16, 20000, 256, 16, 2),
     (52, 9000, 64, 8, 1),
     (32, 1000, 256, 16, 2),              # split mode past one wave: CTAs stream 2 splits at q_len 1
+    (32, 1000, 128, 16, 2),              # the same at hd 128
 ]
 
 

@@ -66,7 +66,7 @@ namespace atlas {   // defined by make_probe.py in the instrumented copy
 extern unsigned long long *g_probe_attn, *g_probe_comb;
 extern int g_force_warm;
 extern int g_attn_grid_x, g_attn_grid_y, g_attn_grid_z, g_attn_hd, g_attn_fp8, g_attn_m_tiles, g_attn_qreg,
-    g_attn_splits_per_cta, g_attn_warm, g_attn_resident, g_attn_regs, g_attn_smem, g_attn_stages;
+    g_attn_splits_per_cta, g_attn_warm, g_attn_resident, g_attn_regs, g_attn_smem, g_attn_stages, g_attn_warps;
 extern int g_comb_kind, g_comb_ctas, g_comb_threads, g_comb_regs;
 }  // namespace atlas
 using namespace atlas;
@@ -481,9 +481,9 @@ int main(int argc, char** argv) {
     CK(launch_paged_decode(args(0), s));   // fills g_attn_* / g_comb_* for this shape
     CK(cudaStreamSynchronize(s));
     const int ctas = g_attn_grid_x * g_attn_grid_y * g_attn_grid_z, cctas = g_comb_ctas;
-    printf("    launch: grid %dx%dx%d = %d CTAs (hd %d %s, m_tiles %d, QREG %d, splits/CTA %d, max_splits %d, "
+    printf("    launch: grid %dx%dx%d = %d CTAs of %d warps (hd %d %s, m_tiles %d, QREG %d, splits/CTA %d, max_splits %d, "
            "warm-up %d, stages %d, %d regs, smem %d B, resident %d); combine %s",
-           g_attn_grid_x, g_attn_grid_y, g_attn_grid_z, ctas, g_attn_hd, g_attn_fp8 ? "fp8" : "bf16", g_attn_m_tiles,
+           g_attn_grid_x, g_attn_grid_y, g_attn_grid_z, ctas, g_attn_warps, g_attn_hd, g_attn_fp8 ? "fp8" : "bf16", g_attn_m_tiles,
            g_attn_qreg, g_attn_splits_per_cta, max_splits, g_attn_warm, g_attn_stages, g_attn_regs, g_attn_smem,
            g_attn_resident,
            g_comb_kind == 0 ? "none" : g_comb_kind == 3 ? "grouped" : g_comb_kind == 2 ? "flat fused" : "flat");

@@ -86,7 +86,7 @@ unsigned long long* g_probe_comb = nullptr;   // next call's combine records [CT
 int g_force_warm = -1;                        // -1 launcher; 0 / 1 v7 warm-up off / on
 int g_attn_grid_x = 0, g_attn_grid_y = 0, g_attn_grid_z = 0, g_attn_hd = 0, g_attn_fp8 = 0,
     g_attn_m_tiles = 0, g_attn_qreg = 0, g_attn_splits_per_cta = 0, g_attn_warm = 0,
-    g_attn_resident = 0, g_attn_regs = 0, g_attn_smem = 0, g_attn_stages = 0;
+    g_attn_resident = 0, g_attn_regs = 0, g_attn_smem = 0, g_attn_stages = 0, g_attn_warps = 0;
 int g_comb_kind = 0, g_comb_ctas = 0, g_comb_threads = 0, g_comb_regs = 0;   // kind 0: no combine
 constexpr int kProbeTiles = 20;               // tiles with per-tile stamps
 __device__ __forceinline__ unsigned long long probe_gtimer() {
@@ -245,7 +245,7 @@ replace("  return launch_pdl(paged_decode_warp_kernel<HD, FP8>, grid, dim3(kWThr
     static cudaFuncAttributes fa{};
     if (fa.numRegs == 0) (void)cudaFuncGetAttributes(&fa, paged_decode_warp_kernel<HD, FP8>);
     g_attn_grid_x = grid.x; g_attn_grid_y = grid.y; g_attn_grid_z = grid.z;
-    g_attn_hd = HD; g_attn_fp8 = FP8; g_attn_m_tiles = 0; g_attn_qreg = 1;   // m_tiles 0: the warp kernel
+    g_attn_hd = HD; g_attn_fp8 = FP8; g_attn_m_tiles = 0; g_attn_qreg = 1; g_attn_warps = kWThreads / 32;   // m_tiles 0: the warp kernel
     g_attn_splits_per_cta = pb.splits_per_cta; g_attn_warm = p.warm_early;
     g_attn_resident = (int)resident; g_attn_regs = fa.numRegs; g_attn_smem = (int)smem;
     g_attn_stages = WarpTraits<HD, FP8>::kStages;
@@ -308,7 +308,10 @@ after("  pb.a = a;", """\
   pb.probe = g_probe_attn;                      // paged_probe
   pb.probe_combine = g_probe_comb;
 """)
-replace("  return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);   // see pdl_wait in the kernel", """\
+# the attention launch: dim3(W * 32) since v20 (the 8-warp instance), dim3(kThreads) before
+_threads = "W * 32" if "dim3(W * 32), smem, stream, p);" in src else "kThreads"
+_launch = f"  return launch_pdl(kernel, grid, dim3({_threads}), smem, stream, p);   // see pdl_wait in the kernel"
+replace(_launch, """\
   if (g_force_warm >= 0) p.warm_early = g_force_warm;   // paged_probe override
   {                                                     // paged_probe: what this call launches
     static cudaFuncAttributes fa{};                     // queried once (first call: before any capture)
@@ -317,11 +320,10 @@ replace("  return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);   /
     g_attn_hd = HD; g_attn_fp8 = FP8; g_attn_m_tiles = M_TILES; g_attn_qreg = QREG;
     g_attn_splits_per_cta = p.splits_per_cta; g_attn_warm = p.warm_early;
     g_attn_resident = (int)resident; g_attn_regs = fa.numRegs; g_attn_smem = (int)smem;
-    g_attn_stages = Traits<HD, FP8>::kStages;
+    g_attn_stages = Traits<HD, FP8>::kStages; g_attn_warps = (""" + _threads + """) / 32;
     g_comb_kind = g_comb_ctas = g_comb_threads = g_comb_regs = 0;   // set again if a combine follows
   }
-  return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);   // see pdl_wait in the kernel
-""")
+""" + _launch + "\n")
 replace("""\
     return fused ? launch_pdl(paged_decode_combine_flat_kernel<true>, grid, dim3(kFlatThreads), 0, stream, pb)""", """\
     {                                                   // paged_probe (attributes queried once each)

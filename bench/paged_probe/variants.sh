@@ -10,6 +10,9 @@
 #   split32 kPagedDecodeShortSplitLen 32 (L ≤ 512: splits of one tile)
 #   s4      4 stages at every dtype (bf16 hd 256: one CTA per SM; session 27: slower everywhere)
 #   s6      6 bf16 / 8 fp8 stages (one CTA per SM; session 30: slower everywhere, B = 1 × 8K too)
+#   w8      eight_warps.patch applied: an 8-warp instance for grids of ≤ 1 CTA per SM (warps w, w + 4
+#           the same scores, the P·V columns and copies split over 8; same bits; session 30: B = 1
+#           5–24% slower)
 #   ch4fp8  FP8 one-row-tile scores in 4 accumulator chains too (v18 gave BF16 4, FP8 kept 2: the
 #           fp8 3-CTA instance spills 8 B with 4 and ran B = 32 × 32K ≈ 2% slower, session 30)
 #   min128  kPagedDecodeMinSplitLen 128 (sequences of 2K..32K: twice the splits, up to the cap; the
@@ -39,8 +42,8 @@ patch_or_die() {  # file sed-expression expected-text
 for v in $VARIANTS; do
   d=$tmp/$v; mkdir -p "$d"
   src=../../csrc/paged_decode.cu; [ "$v" = prev ] && src=${PREV_SRC:?prev needs PREV_SRC}
-  case $v in warp|trim)
-    pf=warp_split.patch; [ "$v" = trim ] && pf=prologue_trim.patch
+  case $v in warp|trim|w8)
+    pf=warp_split.patch; [ "$v" = trim ] && pf=prologue_trim.patch; [ "$v" = w8 ] && pf=eight_warps.patch
     cp "$src" "$d/patched.cu" && patch -s "$d/patched.cu" < $pf || { echo "variants.sh: $pf did not apply" >&2; exit 1; }
     src=$d/patched.cu;;
   esac
