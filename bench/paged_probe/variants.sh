@@ -10,6 +10,9 @@
 #   split32 kPagedDecodeShortSplitLen 32 (L ≤ 512: splits of one tile)
 #   s4      4 stages at every dtype (bf16 hd 256: one CTA per SM; session 27: slower everywhere)
 #   s6      6 bf16 / 8 fp8 stages (one CTA per SM; session 30: slower everywhere, B = 1 × 8K too)
+#   rowblk  row_block.patch applied: where block_size % 8 == 0, a warp's 8 tile rows share one block, so
+#           load_tile looks it up once (one broadcast load) and steps the rows' offsets instead of
+#           8 lookups + 16 shuffles (same smem image, same bits; session 30: prepared, not run)
 #   w8      eight_warps.patch applied: an 8-warp instance for grids of ≤ 1 CTA per SM (warps w, w + 4
 #           the same scores, the P·V columns and copies split over 8; same bits; session 30: B = 1
 #           5–24% slower)
@@ -42,8 +45,9 @@ patch_or_die() {  # file sed-expression expected-text
 for v in $VARIANTS; do
   d=$tmp/$v; mkdir -p "$d"
   src=../../csrc/paged_decode.cu; [ "$v" = prev ] && src=${PREV_SRC:?prev needs PREV_SRC}
-  case $v in warp|trim|w8)
+  case $v in warp|trim|w8|rowblk)
     pf=warp_split.patch; [ "$v" = trim ] && pf=prologue_trim.patch; [ "$v" = w8 ] && pf=eight_warps.patch
+    [ "$v" = rowblk ] && pf=row_block.patch
     cp "$src" "$d/patched.cu" && patch -s "$d/patched.cu" < $pf || { echo "variants.sh: $pf did not apply" >&2; exit 1; }
     src=$d/patched.cu;;
   esac
