@@ -13,6 +13,10 @@
 #   rowblk  row_block.patch applied: where block_size % 8 == 0, a warp's 8 tile rows share one block, so
 #           load_tile looks it up once (one broadcast load) and steps the rows' offsets instead of
 #           8 lookups + 16 shuffles (same smem image, same bits; session 30: prepared, not run)
+#   bar1    one_barrier.patch: one row tile without the "tile landed" CTA barrier (a warp's scores read
+#           only the K rows it copied: its own wait + __syncwarp; V and FP8 scales are published by
+#           the row-maxima barrier, after which the next copies go out); same bits; prepared, not run
+#   rbbar1  row_block_one_barrier.patch: rowblk + bar1
 #   w8      eight_warps.patch applied: an 8-warp instance for grids of ≤ 1 CTA per SM (warps w, w + 4
 #           the same scores, the P·V columns and copies split over 8; same bits; session 30: B = 1
 #           5–24% slower)
@@ -45,9 +49,10 @@ patch_or_die() {  # file sed-expression expected-text
 for v in $VARIANTS; do
   d=$tmp/$v; mkdir -p "$d"
   src=../../csrc/paged_decode.cu; [ "$v" = prev ] && src=${PREV_SRC:?prev needs PREV_SRC}
-  case $v in warp|trim|w8|rowblk)
+  case $v in warp|trim|w8|rowblk|bar1|rbbar1)
     pf=warp_split.patch; [ "$v" = trim ] && pf=prologue_trim.patch; [ "$v" = w8 ] && pf=eight_warps.patch
-    [ "$v" = rowblk ] && pf=row_block.patch
+    [ "$v" = rowblk ] && pf=row_block.patch; [ "$v" = bar1 ] && pf=one_barrier.patch
+    [ "$v" = rbbar1 ] && pf=row_block_one_barrier.patch
     cp "$src" "$d/patched.cu" && patch -s "$d/patched.cu" < $pf || { echo "variants.sh: $pf did not apply" >&2; exit 1; }
     src=$d/patched.cu;;
   esac
