@@ -159,7 +159,12 @@ after("                                                // stage (tile − 1) % k
     cp_async_commit();
 #else
 """)
-before("    if constexpr (M_TILES == 1) {               // fused mode ends splits inside the CTA's range", """\
+# the tile body's end: before the per-tile split test (up to v19), or the end of run_tile (the
+# split_loop.patch form: splits as an outer loop, tiles as an inner one)
+_tile_end = ("    if constexpr (M_TILES == 1) {               // fused mode ends splits inside the CTA's range"
+             if "// fused mode ends splits inside the CTA's range" in src else
+             "  };\n  if constexpr (M_TILES == 1) {                 // fused or streamed splits end inside the CTA's range")
+before(_tile_end, """\
 #endif  // PROBE_NOMATH
     if (tile == n_tiles - 1) probe_stamp(probe_rec, 6);   // paged_probe: last P·V issued
 """)
