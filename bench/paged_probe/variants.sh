@@ -21,6 +21,8 @@
 #           per-tile split test was a runtime % and / plus ≈ 16 accumulator copies: 458 → 411 SASS
 #           instructions per tile at bf16 hd 256, 249 → 233 registers); same bits; prepared, not run
 #   chain   tile_chain.patch: rowblk + bar1 + sloop (384 instructions per tile, 2 barriers)
+#   chainf  tile_chain_fp8ch4.patch: chain + FP8 scores in 4 accumulator chains too (with sloop's
+#           registers the fp8 3-CTA instance no longer spills with 4: 168 registers; fp8 bits change)
 #   w8      eight_warps.patch applied: an 8-warp instance for grids of ≤ 1 CTA per SM (warps w, w + 4
 #           the same scores, the P·V columns and copies split over 8; same bits; session 30: B = 1
 #           5–24% slower)
@@ -53,11 +55,11 @@ patch_or_die() {  # file sed-expression expected-text
 for v in $VARIANTS; do
   d=$tmp/$v; mkdir -p "$d"
   src=../../csrc/paged_decode.cu; [ "$v" = prev ] && src=${PREV_SRC:?prev needs PREV_SRC}
-  case $v in warp|trim|w8|rowblk|bar1|rbbar1|sloop|chain)
+  case $v in warp|trim|w8|rowblk|bar1|rbbar1|sloop|chain|chainf)
     pf=warp_split.patch; [ "$v" = trim ] && pf=prologue_trim.patch; [ "$v" = w8 ] && pf=eight_warps.patch
     [ "$v" = rowblk ] && pf=row_block.patch; [ "$v" = bar1 ] && pf=one_barrier.patch
     [ "$v" = rbbar1 ] && pf=row_block_one_barrier.patch; [ "$v" = sloop ] && pf=split_loop.patch
-    [ "$v" = chain ] && pf=tile_chain.patch
+    [ "$v" = chain ] && pf=tile_chain.patch; [ "$v" = chainf ] && pf=tile_chain_fp8ch4.patch
     cp "$src" "$d/patched.cu" && patch -s "$d/patched.cu" < $pf || { echo "variants.sh: $pf did not apply" >&2; exit 1; }
     src=$d/patched.cu;;
   esac
