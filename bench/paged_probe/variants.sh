@@ -55,14 +55,16 @@ patch_or_die() {  # file sed-expression expected-text
 for v in $VARIANTS; do
   d=$tmp/$v; mkdir -p "$d"
   src=../../csrc/paged_decode.cu; [ "$v" = prev ] && src=${PREV_SRC:?prev needs PREV_SRC}
-  case $v in warp|trim|w8|rowblk|bar1|rbbar1|sloop|chain|chainf)
-    pf=warp_split.patch; [ "$v" = trim ] && pf=prologue_trim.patch; [ "$v" = w8 ] && pf=eight_warps.patch
-    [ "$v" = rowblk ] && pf=row_block.patch; [ "$v" = bar1 ] && pf=one_barrier.patch
-    [ "$v" = rbbar1 ] && pf=row_block_one_barrier.patch; [ "$v" = sloop ] && pf=split_loop.patch
-    [ "$v" = chain ] && pf=tile_chain.patch; [ "$v" = chainf ] && pf=tile_chain_fp8ch4.patch
-    cp "$src" "$d/patched.cu" && patch -s "$d/patched.cu" < $pf || { echo "variants.sh: $pf did not apply" >&2; exit 1; }
-    src=$d/patched.cu;;
+  case $v in                                   # variants that are a patch of the kernel source
+    warp) pf=warp_split.patch;;      trim) pf=prologue_trim.patch;;  w8) pf=eight_warps.patch;;
+    rowblk) pf=row_block.patch;;     bar1) pf=one_barrier.patch;;    rbbar1) pf=row_block_one_barrier.patch;;
+    sloop) pf=split_loop.patch;;     chain) pf=tile_chain.patch;;    chainf) pf=tile_chain_fp8ch4.patch;;
+    *) pf=;;
   esac
+  if [ -n "$pf" ]; then
+    cp "$src" "$d/patched.cu" && patch -s "$d/patched.cu" < "$pf" || { echo "variants.sh: $pf did not apply" >&2; exit 1; }
+    src=$d/patched.cu
+  fi
   python3 make_probe.py "$src" "$d/probe_kernel.cu" || exit 1
   cp ../../csrc/paged_decode.h "$d/"
   case $v in t128*) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeTargetCtas = 256;/kPagedDecodeTargetCtas = 128;/' "TargetCtas = 128;";; esac
