@@ -26,7 +26,8 @@
 //
 //   Per 32-position KV tile (kTileN), in shared memory as [32][hd] rows with a 16-byte-chunk
 //   XOR swizzle (conflict-free ldmatrix), filled by cp.async 16 B (warp w: positions 8w..8w+7,
-//   one whole row per warp instruction, one block-id lookup per row; zero-filled past the split
+//   one whole row per warp instruction, one block-id lookup per row — per warp where block_size
+//   % 8 == 0, v21; zero-filled past the split
 //   end and for block ids outside [0, num_blocks)), kStages-deep pipeline:
 //     score    warp w: S[rows, 8 positions 8w..8w+7] = Q · K^T, mma.m16n8k16 bf16 → fp32
 //              (Q from padded smem via ldmatrix, K via ldmatrix; FP8: f16 MMAs, K converted
@@ -38,7 +39,8 @@
 //              summed over quads and warps only at the end); P → bf16 smem (FP8: P · v_scale[p]
 //              · 2^se → f16 smem)
 //     pv       warp w owns output columns [w·hd/4, (w+1)·hd/4): O = α·O + P · V, mma bf16 (f16)
-//   Three __syncthreads per tile: tile landed / warp row maxima / P written.
+//   Three __syncthreads per tile: tile landed / warp row maxima / P written — two with one row
+//   tile (v21: a warp's scores read only the K rows it copied, so 'tile landed' is a warp barrier).
 //   Lane ownership (g = lane / 4, t = lane % 4, standard mma fragments): score columns
 //   8w + 2t + {0, 1}, rows 16·mt + g (+8); O columns per n8 tile 2t + {0, 1} (BF16) or
 //   4t + {0, 2} | 4t + {1, 3} (FP8, see below), same rows — so α is already in the registers.
@@ -176,6 +178,15 @@
 //       in every BF16 instance. H200 (bench/paged_probe variant ch4, session 30): B = 1 × 8K
 //       13.3 → 13.1 µs, × 1K 8.26 → 8.14, 24/4 × 8K 14.1 → 13.85; batched BF16 unchanged.
 //   v19 The L2 warm-up only for grids over more than half the SMs (launch_instance).
+//   v21 The one-row-tile loop's instruction chain (at B = 1 a tile is its latency, one warp per
+//       scheduler): one block-id lookup per warp where block_size % 8 == 0; 'tile landed' a warp
+//       barrier, the next copies after the row-maxima barrier; splits as an outer loop (no per-tile
+//       % and / to find a split's end); FP8 scores in 4 chains too. bf16 hd 256 QREG: 458 → 384
+//       SASS instructions and 3 → 2 CTA barriers per tile, 249 → 233 registers; fp8 538 → 449.
+//       H200 (bench/paged_probe variant chainf, session 31, v19 → v21): B = 1 × 512 7.75 → 7.22 µs,
+//       × 1K 8.14 → 7.60, fp8 8.70 → 8.22, × 8K 12.88 → 11.67, fp8 13.25 → 12.26, × 32K fp8 19.77
+//       → 18.32; fp8 B = 32 × 8K 90.2 → 81.4, B = 32 × 32K 330 → 308; bf16 batched −0.2..0.6%.
+//       BF16 bits the same, FP8 bits change (score chain order), alike in every FP8 instance.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -247,6 +258,7 @@ struct Problem {
   FastDiv div_bs;    // p / block_size
   FastDiv div_group; // row / group
   int split_cap;     // paged_decode_split_cap(nkv)
+  int block_rows;    // 1: block_size % 8 == 0, so a warp's 8 tile rows lie in one block (load_tile)
   float score_mult;  // softmax_scale · log2e
   int splits_per_cta;  // consecutive splits per CTA: kSplitGroup in fused mode, else ≥ 1 (M_TILES == 1
                        // only above 1; see the launcher)
@@ -711,6 +723,40 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   static_assert(Tr::kChunks <= 32 && kRowsPerWarp % kRowsPerCopy == 0, "copy ownership");
   const int lane_chunk = lane % kLanesPerRow, lane_row = lane / kLanesPerRow;
   auto load_tile = [&](int tile, int stage) {
+    const uint32_t k_dst = smem_addr(kv_smem) + (stage * 2) * Tr::kTileBytes;
+    const uint8_t* k_pool = static_cast<const uint8_t*>(a.k_cache);
+    const uint8_t* v_pool = static_cast<const uint8_t*>(a.v_cache);
+    // v21: one block holds the warp's 8 rows (tiles start at multiples of 32): one broadcast lookup
+    // and a row stride, not 8 lookups + 16 shuffles. The 4-row-tile instances (255 registers) keep
+    // the per-row path below, which every block size can take.
+    if (M_TILES < 4 && pb.block_rows) {
+      const int pos0 = kv_begin + tile * kTileN + kRowsPerWarp * warp;   // the warp's first row
+      const int blk_idx = block_index(min(pos0, kv_end - 1));
+      const int blk = __ldg(block_table + blk_idx);              // one address per warp
+      const bool blk_ok = (unsigned)blk < (unsigned)a.num_blocks;
+      const int64_t cache_pos0 = cache_position(blk, pos0, blk_idx);
+      const uint64_t base = blk_ok ? row_offset(cache_pos0) : 0;
+      const uint32_t row_stride = (uint32_t)a.num_kv_heads * Tr::kRowBytes;
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp / kRowsPerCopy; ++i) {
+        const int r = i * kRowsPerCopy + lane_row;             // row within the warp's 8
+        const bool row_ok = blk_ok && pos0 + r < kv_end;
+        const uint64_t off = row_ok ? base + (uint64_t)(r * row_stride + 16 * lane_chunk) : 0;
+        const uint32_t dst = k_dst + Tr::swizzle(kRowsPerWarp * warp + r, lane_chunk);
+        cp_async_16_kv<Tr::kPrefetch>(dst, k_pool + off, row_ok);
+        cp_async_16_kv<Tr::kPrefetch>(dst + Tr::kTileBytes, v_pool + off, row_ok);
+      }
+      if constexpr (FP8) {
+        if (lane < kRowsPerWarp) {                             // row 8w + lane's K and V scales
+          const bool ok = blk_ok && pos0 + lane < kv_end;
+          const int64_t si = (cache_pos0 + lane) * a.num_kv_heads + kvh;
+          float* s_dst = scale_smem + (stage * 2) * kTileN + kRowsPerWarp * warp + lane;
+          cp_async_4(smem_addr(s_dst), ok ? a.k_scale + si : a.k_scale, ok);
+          cp_async_4(smem_addr(s_dst + kTileN), ok ? a.v_scale + si : a.v_scale, ok);
+        }
+      }
+      return;
+    }
     // lookup lanes: row 8w + lane (lanes ≥ 8 look up a valid duplicate and are never asked)
     const int look_row = kRowsPerWarp * warp + (lane % kRowsPerWarp);
     const int pos = kv_begin + tile * kTileN + look_row;
@@ -723,9 +769,6 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     // free to carry `ok` through the shuffle (a garbage block id's sign must never land there).
     const uint64_t row_off = ok ? row_offset(cache_pos) : 0;
     const uint32_t off_lo = (uint32_t)row_off, off_hi = (uint32_t)(row_off >> 32) | (ok ? 0x80000000u : 0u);
-    const uint32_t k_dst = smem_addr(kv_smem) + (stage * 2) * Tr::kTileBytes;
-    const uint8_t* k_pool = static_cast<const uint8_t*>(a.k_cache);
-    const uint8_t* v_pool = static_cast<const uint8_t*>(a.v_cache);
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp / kRowsPerCopy; ++i) {
       const int r = i * kRowsPerCopy + lane_row;               // row within the warp's 8
@@ -783,7 +826,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   // barrier publishes the rows' 2^-sq, read here into each row's score multiplier (before the
   // first tile's softmax reuses the P buffer: all threads pass that tile's barriers first).
   uint32_t q_frag[QREG ? HD / 16 : 1][2];
-  if constexpr (QREG || FP8) __syncthreads();   // (Q staged) every warp's Q stores visible
+  if constexpr (QREG || FP8 || M_TILES == 1) __syncthreads();   // (Q staged) every warp's Q stores visible
   float row_score_mult[M_TILES][2];             // softmax_scale · log2e (FP8: · 2^-sq of the row)
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
@@ -881,13 +924,21 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     reset_running();
   };
 
-  for (int tile = 0; tile < n_tiles; ++tile) {
+  // One tile of the running state (v21: a lambda, so one-row-tile CTAs can walk splits as an
+  // outer loop and tiles as an inner one — with the split's end tested per tile, a runtime % and
+  // / per tile plus ≈ 16 register copies merging the finish / no-finish paths sat on B = 1's
+  // chain).
+  auto run_tile = [&](int tile) {
     cp_async_wait<kStages - 2>();
-    __syncthreads();                            // (tile landed) every thread's copies visible;
+    // (tile landed) With one row tile (v21) a warp's scores read only the K rows it copied itself,
+    // so its own wait + a warp barrier publish them; the other warps' V rows and FP8 scales are
+    // published by the row-maxima barrier below, after which the next copies are issued (every
+    // warp is then past this tile's scores, so done with stage (tile − 1) % kStages).
+    if constexpr (M_TILES == 1) __syncwarp(); else __syncthreads();
                                                 // stage (tile − 1) % kStages free again
-    // Next copies: with one row tile issued after the score MMAs (below), so their address
-    // math overlaps the MMA latency; with 2–4 row tiles here (v1's place): there the live
-    // score accumulators would push the 255-register instance into spills (52 B measured).
+    // Next copies: with one row tile issued after the row-maxima barrier (below); with 2–4 row
+    // tiles here (v1's place): there the live score accumulators would push the 255-register
+    // instance into spills (52 B measured).
     constexpr bool kLoadAfterScores = M_TILES == 1;
     if constexpr (!kLoadAfterScores) {
       if (tile + kStages - 1 < n_tiles) load_tile(tile + kStages - 1, (tile + kStages - 1) % kStages);
@@ -903,10 +954,10 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     // score: S[rows, 8w .. 8w+7] = Q · K^T, 64 hd per step. With one row tile the hd/16 MMAs
     // would form one dependent chain; kChains accumulators (k chunk i feeds chain i % kChains)
     // cut it to hd/16 / kChains, summed in chain order. v18: 4 chains for BF16 (B = 1 is this
-    // chain's latency, tile after tile); FP8 keeps 2 — its 3-CTA instance (168 registers) spills
-    // with 4 and ran large batches 2% slower (session 30). QREG and smem-Q instances of a dtype
-    // share the count, so a row's bits never depend on which one ran.
-    constexpr int kChains = M_TILES == 1 ? (FP8 ? 2 : 4) : 1;
+    // chain's latency, tile after tile); v21: FP8 too — before v21's split loop freed registers its
+    // 3-CTA instance (168 registers) spilled with 4 (session 30). QREG and smem-Q instances of a
+    // dtype share the count, so a row's bits never depend on which one ran.
+    constexpr int kChains = M_TILES == 1 ? 4 : 1;
     float s_part[kChains][M_TILES][4];
 #pragma unroll
     for (int c = 0; c < kChains; ++c)
@@ -947,12 +998,6 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         }
       }
     }
-    // Next copies (one row tile). Stage (tile + kStages − 1) % kStages = (tile − 1) % kStages
-    // was last read in iteration tile − 1, before the (tile landed) barrier.
-    if constexpr (kLoadAfterScores) {
-      if (tile + kStages - 1 < n_tiles) load_tile(tile + kStages - 1, (tile + kStages - 1) % kStages);
-      cp_async_commit();
-    }
     float s_acc[M_TILES][4];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
@@ -984,6 +1029,12 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         if (t == 0) red_max[warp * kRows + mt * 16 + g + 8 * hh] = mx;
       }
     __syncthreads();                            // (row maxima) all warps' maxima in red_max
+    // Next copies (one row tile): stage (tile + kStages − 1) % kStages = (tile − 1) % kStages was
+    // last read in iteration tile − 1, which every warp has left by now (v21: see "tile landed").
+    if constexpr (kLoadAfterScores) {
+      if (tile + kStages - 1 < n_tiles) load_tile(tile + kStages - 1, (tile + kStages - 1) % kStages);
+      cp_async_commit();
+    }
 
     // online softmax: identical m in every warp; P (FP8: · v_scale · 2^p_exp) → bf16 (f16) smem.
     // FP8: the tile's P scale 2^se puts its largest v_scale in [2^14, 2^15) (p ≤ 1, so every
@@ -1064,13 +1115,15 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         }
       }
     }
-    if constexpr (M_TILES == 1) {               // fused mode ends splits inside the CTA's range
-      if ((tile + 1) % tiles_per_split == 0 || tile == n_tiles - 1) finish_split(first_split + tile / tiles_per_split);
+  };
+  if constexpr (M_TILES == 1) {                 // fused or streamed splits end inside the CTA's range
+    for (int tile = 0, split = first_split; tile < n_tiles; ++split) {
+      for (const int end = min(tile + tiles_per_split, n_tiles); tile < end; ++tile) run_tile(tile);
+      finish_split(split);
     }
-  }
-  if constexpr (M_TILES == 1) {
     if (n_tiles == 0) finish_split(first_split);  // seq_len 0: out 0, lse −inf
   } else {
+    for (int tile = 0; tile < n_tiles; ++tile) run_tile(tile);
     finish_split(first_split);                  // split mode only: one split per CTA
   }
   cp_async_wait<0>();                           // no copy may outlive the CTA (none pending here)
@@ -1553,6 +1606,7 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
   pb.div_bs = fast_div(a.block_size);
   pb.div_group = fast_div(pb.group);
   pb.split_cap = paged_decode_split_cap(a.num_kv_heads);
+  pb.block_rows = a.block_size % (kTileN / kWarps) == 0 ? 1 : 0;
   pb.score_mult = a.softmax_scale * kLog2e;
   const int m_tiles = (min(pb.rows_total, kMaxRows) + 15) / 16;
   // Fused mode (one CTA per group of kSplitGroup splits, folded in registers: partial-O traffic
