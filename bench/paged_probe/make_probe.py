@@ -313,9 +313,12 @@ after("  pb.a = a;", """\
   pb.probe = g_probe_attn;                      // paged_probe
   pb.probe_combine = g_probe_comb;
 """)
-# the attention launch: dim3(W * 32) since v20 (the 8-warp instance), dim3(kThreads) before
-_threads = "W * 32" if "dim3(W * 32), smem, stream, p);" in src else "kThreads"
-_launch = f"  return launch_pdl(kernel, grid, dim3({_threads}), smem, stream, p);   // see pdl_wait in the kernel"
+# the attention launch: dim3(kThreads) — dim3(W * 32) in eight_warps.patch, dim3(kThreads * KVH) in kv_pair.patch
+# (and launch_pdl_cluster(..., cluster, p) since v22, the cluster mode)
+_threads = next((t for t in ("W * 32", "kThreads * KVH") if f"dim3({t}), smem, stream, p);" in src), "kThreads")
+_launch = (f"  return launch_pdl(kernel, grid, dim3({_threads}), smem, stream, p);   // see pdl_wait in the kernel"
+           if "launch_pdl_cluster(kernel, grid" not in src else
+           "  return launch_pdl_cluster(kernel, grid, dim3(kThreads), smem, stream, cluster, p);   // see pdl_wait in the kernel")
 replace(_launch, """\
   if (g_force_warm >= 0) p.warm_early = g_force_warm;   // paged_probe override
   {                                                     // paged_probe: what this call launches

@@ -23,6 +23,16 @@
 #   chain   tile_chain.patch: rowblk + bar1 + sloop (384 instructions per tile, 2 barriers)
 #   chainf  tile_chain_fp8ch4.patch: chain + FP8 scores in 4 accumulator chains too (with sloop's
 #           registers the fp8 3-CTA instance no longer spills with 4: 168 registers; fp8 bits change)
+#   pair    kv_pair.patch: bf16 one-row-tile QREG CTAs over two kv heads (8 warps: two 4-warp groups,
+#           each its own smem image and named barrier; same bits), so each position's two head rows
+#           (1 KB contiguous) go out from one CTA in the same tile step — the probe's pall read beat
+#           pread by ≈ 9% at B = 1 × 32K; session 31: correct, B = 1 +25..35%, large B unchanged)
+#   cluster cluster_fold.patch: one-wave ≤ 8-row split grids launched in clusters of min(max_splits, 8)
+#           CTAs that fold each group of 8 splits through distributed shared memory (no combine
+#           for ≤ 8 splits, a flat combine over group partials above; same bits; session 31:
+#           correct, B = 1 × 1K 7.61 → 8.38 µs, × 8K 11.66 → 13.36: not adopted)
+#   nocomb  no combine launch (wrong output wherever a sequence has several splits): the combine's
+#           share of the call, i.e. what folding the splits inside the attention grid could save
 #   w8      eight_warps.patch applied: an 8-warp instance for grids of ≤ 1 CTA per SM (warps w, w + 4
 #           the same scores, the P·V columns and copies split over 8; same bits; session 30: B = 1
 #           5–24% slower)
@@ -59,6 +69,7 @@ for v in $VARIANTS; do
     warp) pf=warp_split.patch;;      trim) pf=prologue_trim.patch;;  w8) pf=eight_warps.patch;;
     rowblk) pf=row_block.patch;;     bar1) pf=one_barrier.patch;;    rbbar1) pf=row_block_one_barrier.patch;;
     sloop) pf=split_loop.patch;;     chain) pf=tile_chain.patch;;    chainf) pf=tile_chain_fp8ch4.patch;;
+    pair) pf=kv_pair.patch;;         cluster) pf=cluster_fold.patch;;
     *) pf=;;
   esac
   if [ -n "$pf" ]; then
@@ -74,6 +85,7 @@ for v in $VARIANTS; do
                     patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
   case $v in short64) patch_or_die "$d/paged_decode.h" 's/s = s < kPagedDecodeShortSplits ? s : kPagedDecodeShortSplits;/const int64_t sc = cap \/ 2 > kPagedDecodeShortSplits ? cap \/ 2 : kPagedDecodeShortSplits; s = s < sc ? s : sc;/' "s = s < sc ? s : sc;"
                      patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
+  case $v in nocomb) patch_or_die "$d/probe_kernel.cu" 's/  if (partials) ATLAS_RETURN_IF_ERROR(launch_combine(pb, stream));/  (void)partials;   \/\/ nocomb/' "nocomb";; esac
   case $v in ch4fp8) patch_or_die "$d/probe_kernel.cu" 's/constexpr int kChains = M_TILES == 1 ? (FP8 ? 2 : 4) : 1;/constexpr int kChains = M_TILES == 1 ? 4 : 1;/' "M_TILES == 1 ? 4 : 1;";; esac
   case $v in fp8qreg) patch_or_die "$d/probe_kernel.cu" 's/if (with_qreg > 0 \&\& without > 0 \&\& (ctas + with_qreg - 1) \/ with_qreg <= (ctas + without - 1) \/ without)/if (with_qreg > 0)/' "if (with_qreg > 0)";; esac
   case $v in s4) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 4;/' "kStages = 4;";; esac
