@@ -36,6 +36,7 @@ Anchors are exact source lines (or exact runs of whole lines), each asserted to 
 when the kernel changes, this fails loudly (AssertionError printing the anchor) instead of
 probing the wrong place.
 """
+import re
 import sys
 
 src = open(sys.argv[1]).read()
@@ -313,12 +314,12 @@ after("  pb.a = a;", """\
   pb.probe = g_probe_attn;                      // paged_probe
   pb.probe_combine = g_probe_comb;
 """)
-# the attention launch: dim3(kThreads) — dim3(W * 32) in eight_warps.patch, dim3(kThreads * KVH) in kv_pair.patch
-# (and launch_pdl_cluster(..., cluster, p) since v22, the cluster mode)
-_threads = next((t for t in ("W * 32", "kThreads * KVH") if f"dim3({t}), smem, stream, p);" in src), "kThreads")
-_launch = (f"  return launch_pdl(kernel, grid, dim3({_threads}), smem, stream, p);   // see pdl_wait in the kernel"
-           if "launch_pdl_cluster(kernel, grid" not in src else
-           "  return launch_pdl_cluster(kernel, grid, dim3(kThreads), smem, stream, cluster, p);   // see pdl_wait in the kernel")
+# the attention launch, whatever its form: launch_pdl(kernel, grid, dim3(kThreads), ...) — dim3(W * 32)
+# in eight_warps.patch, dim3(kThreads * KVH) in kv_pair.patch, launch_pdl_cluster(..., cluster, p) in
+# cluster_fold.patch — the one return of the instance launcher that names the kernel's pdl_wait
+_m = re.search(r"^  return launch_\w+\(kernel, grid, dim3\(([^)]*)\),.*// see pdl_wait in the kernel$", src, re.M)
+assert _m, "the attention launch line"
+_threads, _launch = _m.group(1), _m.group(0)
 replace(_launch, """\
   if (g_force_warm >= 0) p.warm_early = g_force_warm;   // paged_probe override
   {                                                     // paged_probe: what this call launches

@@ -31,6 +31,11 @@
 #           CTAs that fold each group of 8 splits through distributed shared memory (no combine
 #           for ≤ 8 splits, a flat combine over group partials above; same bits; session 31:
 #           correct, B = 1 × 1K 7.61 → 8.38 µs, × 8K 11.66 → 13.36: not adopted)
+#   clspread cluster_spread.patch: cluster + the 'spread' cluster scheduling policy (a cluster's CTAs on
+#           distinct SMs where the GPC has room; session 31: prepared, not run)
+#   cl1     cluster + every instance's smem padded to 120 KB: one CTA per SM, so a cluster's 8 CTAs
+#           cannot pack two to an SM (B = 1 points only: it halves every larger grid's residency;
+#           session 31: prepared, not run)
 #   nocomb  no combine launch (wrong output wherever a sequence has several splits): the combine's
 #           share of the call, i.e. what folding the splits inside the attention grid could save
 #   w8      eight_warps.patch applied: an 8-warp instance for grids of ≤ 1 CTA per SM (warps w, w + 4
@@ -69,7 +74,7 @@ for v in $VARIANTS; do
     warp) pf=warp_split.patch;;      trim) pf=prologue_trim.patch;;  w8) pf=eight_warps.patch;;
     rowblk) pf=row_block.patch;;     bar1) pf=one_barrier.patch;;    rbbar1) pf=row_block_one_barrier.patch;;
     sloop) pf=split_loop.patch;;     chain) pf=tile_chain.patch;;    chainf) pf=tile_chain_fp8ch4.patch;;
-    pair) pf=kv_pair.patch;;         cluster) pf=cluster_fold.patch;;
+    pair) pf=kv_pair.patch;;         cluster|cl1) pf=cluster_fold.patch;;  clspread) pf=cluster_spread.patch;;
     *) pf=;;
   esac
   if [ -n "$pf" ]; then
@@ -86,6 +91,7 @@ for v in $VARIANTS; do
   case $v in short64) patch_or_die "$d/paged_decode.h" 's/s = s < kPagedDecodeShortSplits ? s : kPagedDecodeShortSplits;/const int64_t sc = cap \/ 2 > kPagedDecodeShortSplits ? cap \/ 2 : kPagedDecodeShortSplits; s = s < sc ? s : sc;/' "s = s < sc ? s : sc;"
                      patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
   case $v in nocomb) patch_or_die "$d/probe_kernel.cu" 's/  if (partials) ATLAS_RETURN_IF_ERROR(launch_combine(pb, stream));/  (void)partials;   \/\/ nocomb/' "nocomb";; esac
+  case $v in cl1) patch_or_die "$d/probe_kernel.cu" 's/smem_bytes<HD, FP8, M_TILES>()/((size_t)120 * 1024)/g' "(size_t)120 \* 1024";; esac
   case $v in ch4fp8) patch_or_die "$d/probe_kernel.cu" 's/constexpr int kChains = M_TILES == 1 ? (FP8 ? 2 : 4) : 1;/constexpr int kChains = M_TILES == 1 ? 4 : 1;/' "M_TILES == 1 ? 4 : 1;";; esac
   case $v in fp8qreg) patch_or_die "$d/probe_kernel.cu" 's/if (with_qreg > 0 \&\& without > 0 \&\& (ctas + with_qreg - 1) \/ with_qreg <= (ctas + without - 1) \/ without)/if (with_qreg > 0)/' "if (with_qreg > 0)";; esac
   case $v in s4) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 4;/' "kStages = 4;";; esac
