@@ -38,6 +38,9 @@
 #           session 31: prepared, not run)
 #   nocomb  no combine launch (wrong output wherever a sequence has several splits): the combine's
 #           share of the call, i.e. what folding the splits inside the attention grid could save
+#   vstore  vector_store.patch: the split and fused partials stored as the runs a lane owns (bf16 8-byte,
+#           fp8 16-byte stores: 108 scalar STG → 48 STG.64 + 12 / 24 STG.128 + 12 in a one-row-tile
+#           instance); same bits (session 31: prepared, not run)
 #   w8      eight_warps.patch applied: an 8-warp instance for grids of ≤ 1 CTA per SM (warps w, w + 4
 #           the same scores, the P·V columns and copies split over 8; same bits; session 30: B = 1
 #           5–24% slower)
@@ -75,6 +78,7 @@ for v in $VARIANTS; do
     rowblk) pf=row_block.patch;;     bar1) pf=one_barrier.patch;;    rbbar1) pf=row_block_one_barrier.patch;;
     sloop) pf=split_loop.patch;;     chain) pf=tile_chain.patch;;    chainf) pf=tile_chain_fp8ch4.patch;;
     pair) pf=kv_pair.patch;;         cluster|cl1) pf=cluster_fold.patch;;  clspread) pf=cluster_spread.patch;;
+    vstore) pf=vector_store.patch;;
     *) pf=;;
   esac
   if [ -n "$pf" ]; then
