@@ -826,7 +826,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   // barrier publishes the rows' 2^-sq, read here into each row's score multiplier (before the
   // first tile's softmax reuses the P buffer: all threads pass that tile's barriers first).
   uint32_t q_frag[QREG ? HD / 16 : 1][2];
-  if constexpr (QREG || FP8 || M_TILES == 1) __syncthreads();   // (Q staged) every warp's Q stores visible
+  if constexpr (FP8 || M_TILES == 1) __syncthreads();   // (Q staged) every warp's Q stores visible (QREG: one row tile)
   float row_score_mult[M_TILES][2];             // softmax_scale · log2e (FP8: · 2^-sq of the row)
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
