@@ -336,6 +336,7 @@ void paged_decode(const torch::Tensor& query,                       // [B, q_len
     TORCH_CHECK(partial_o.scalar_type() == torch::kFloat && partial_o.numel() >= b * nkv * max_splits * rows * hd &&
                 partial_lse.scalar_type() == torch::kFloat && partial_lse.numel() >= b * nkv * max_splits * rows,
                 "paged_decode: partial_o, partial_lse must be float32 [B, nkv, max_splits, group*q_len(, hd)]");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(partial_o.data_ptr()) % 16 == 0, "paged_decode: partial_o must start 16-byte aligned");
     a.partial_o = partial_o.data_ptr<float>();
     a.partial_lse = partial_lse.data_ptr<float>();
   }

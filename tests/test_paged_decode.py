@@ -460,6 +460,26 @@ def test_bad_gate():
 
 
 @pytest.mark.cuda
+def test_cuda_binding_rejects_misaligned_partials():
+    """The split partials are stored and loaded in 8 / 16-byte runs: the binding refuses scratch
+    that does not start 16-byte aligned (atlas.ops allocates it aligned; this guards direct calls)."""
+    from atlas._ext import _C
+    case = {k: (v.cuda() if torch.is_tensor(v) else v)
+            for k, v in make_case(1, 1000, 16, 128, 16, 2, 1, torch.bfloat16, seed=8).items()}
+    q = case["query"].unsqueeze(1)
+    b, _, nq, hd = q.shape
+    nkv = case["k_cache"].shape[2]
+    splits = ops.paged_decode_max_splits(case["block_tables"].shape[1] * case["k_cache"].shape[1], nkv)
+    assert splits > 1
+    rows = nq // nkv
+    out, lse = torch.empty_like(q), torch.empty(b, 1, nq, device="cuda")
+    po = torch.empty(b * nkv * splits * rows * hd + 1, device="cuda")[1:]            # 4-byte offset
+    pl = torch.empty(b * nkv * splits * rows, device="cuda")
+    with pytest.raises(RuntimeError, match="partial_o"):
+        _C.paged_decode(q, case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
+                        case["softmax_scale"], None, None, out, lse, po, pl, splits, None)
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("per_head", [False, True], ids=["g-half", "per-head"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("shape", GATE_CASES, ids=lambda s: "B{}-L{}-bs{}-hd{}-h{}of{}-q{}".format(*s))
