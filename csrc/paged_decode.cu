@@ -24,12 +24,13 @@
 //   consecutive splits that folds them in registers as it goes and writes one partial per
 //   group — or the output itself when the sequence has ≤ 8 splits.
 //
-//   Per 32-position KV tile (kTileN), in shared memory as [32][hd] rows with a 16-byte-chunk
-//   XOR swizzle (conflict-free ldmatrix), filled by cp.async 16 B (warp w: positions 8w..8w+7,
-//   one whole row per warp instruction, one block-id lookup per row — per warp where block_size
-//   % 8 == 0, v21; zero-filled past the split
-//   end and for block ids outside [0, num_blocks)), kStages-deep pipeline:
-//     score    warp w: S[rows, 8 positions 8w..8w+7] = Q · K^T, mma.m16n8k16 bf16 → fp32
+//   Per KV tile of kTileN positions (BF16 32; FP8 64 since v23 — the same bytes — except with 4
+//   row tiles, 32), in shared memory as [kTileN][hd] rows with a 16-byte-chunk XOR swizzle
+//   (conflict-free ldmatrix), filled by cp.async 16 B (warp w: its kTileN/4 positions
+//   w·kTileN/4 .., one whole row per warp instruction, one block-id lookup per row — per warp
+//   where block_size % (kTileN/4) == 0, v21; zero-filled past the split end and for block ids
+//   outside [0, num_blocks)), kStages-deep pipeline:
+//     score    warp w: S[rows, its kTileN/4 positions] = Q · K^T (1 or 2 n8 tiles), mma.m16n8k16 bf16 → fp32
 //              (Q from padded smem via ldmatrix, K via ldmatrix; FP8: f16 MMAs, K converted
 //              in registers)
 //     scale    s *= softmax_scale·log2e (FP8: · k_scale[p] per score column, · 2^-sq per row),
@@ -42,7 +43,7 @@
 //   Three __syncthreads per tile: tile landed / warp row maxima / P written — two with one row
 //   tile (v21: a warp's scores read only the K rows it copied, so 'tile landed' is a warp barrier).
 //   Lane ownership (g = lane / 4, t = lane % 4, standard mma fragments): score columns
-//   8w + 2t + {0, 1}, rows 16·mt + g (+8); O columns per n8 tile 2t + {0, 1} (BF16) or
+//   w·kTileN/4 + 8·nt + 2t + {0, 1} (n8 tile nt), rows 16·mt + g (+8); O columns per n8 tile 2t + {0, 1} (BF16) or
 //   4t + {0, 2} | 4t + {1, 3} (FP8, see below), same rows — so α is already in the registers.
 //
 //   FP8 (v13): the MMAs run in f16, which holds every e4m3 value exactly, so K and V need one
@@ -78,8 +79,9 @@
 //   store does not wait on a DRAM round trip.
 //
 // Shared memory (hd 256, bf16, M_TILES 1): 3 stages × (K + V) 32 KB + Q 8.4 KB + P 1.3 KB
-//   ≈ 107 KB → 2 CTAs per SM (v2: 190 registers; v6 QREG, rows ≤ 8: 237). FP8 tiles are half
-//   as big (4 stages, 64 KB, 76.8 KB in all → 3 CTAs per SM, v2: 162 registers).
+//   ≈ 107 KB → 2 CTAs per SM (v2: 190 registers; v6 QREG, rows ≤ 8: 237). FP8 (v23): 64-position
+//   tiles of the same 16 KB, 3 stages + scales 1.5 KB + P 2.3 KB ≈ 108.5 KB → 2 CTAs per SM
+//   (v13–v22: 32-position tiles, 4 stages, 76.8 KB → 3; 4 row tiles still do).
 //
 // Floor (bytes moved): Σ_b L_b · nkv · hd · 2 (K and V) · elem (+ 2 · 4 per FP8 scale pair)
 //   + partial O when split (split mode: rows · hd · 4 · 2 per 256-position split ≈ 6% of bf16
@@ -195,6 +197,16 @@
 //       session 32, v21 → v22): B = 1 × 512 7.23 → 6.87 µs, × 1K 7.61 → 7.28, fp8 8.21 → 7.61,
 //       × 8K 11.67 → 11.43, fp8 12.26 → 11.68, × 32K 22.73 → 22.22, fp8 18.27 → 17.30; fp8
 //       B = 8 × 8K 28.75 → 26.63, B = 32 × 1K 19.34 → 17.71; bf16 batched −0.4..2.9%.
+//   v23 FP8 tiles of 64 positions (one and two row tiles): the same 16 KB per K or V tile as
+//       BF16, so a split is half the tiles and each tile's fixed cost (2 barriers, the row-max and
+//       softmax bookkeeping, the P round trip through smem, the pipeline step) is paid per 16 KB,
+//       not per 8 KB; a warp owns 16 score columns as two n8 tiles (2 chains each, the same 4
+//       accumulator chains per warp); FP8 splits are whole 64-position tiles (paged_decode_split's
+//       tile argument: FP8 chunks are multiples of 64, so FP8 bits change, as a function of L
+//       alone). 3 stages, 2 CTAs per SM (was 4 stages, 3 CTAs: the same 192 KB in flight per
+//       SM). BF16 unchanged in bits. H200 (session 32, probe v22 → v23): fp8 B = 1 × 1K 7.57 →
+//       6.79 µs, × 8K 11.61 → 10.02, 24/4 12.43 → 10.89, × 32K 17.27 → 16.31; B = 8 × 8K 26.5 →
+//       24.7, B = 32 × 8K 82.4 → 72.0, B = 128 × 8K 347 → 290, B = 32 × 32K 310 → 274.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -209,9 +221,7 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTileN = kPagedDecodeTileN;   // 32 positions per KV tile: 8 score columns per warp
 constexpr int kMaxRows = 64;                // query rows per CTA (4 MMA row tiles; O regs bound)
-constexpr int kPStride = kTileN + 8;        // P smem row stride (bf16): 80 B, conflict-free
 constexpr int kSplitGroup = 8;              // splits per level-1 group of the canonical merge
 constexpr int kMaxGroups = kPagedDecodeMaxSplits / kSplitGroup;
 static_assert(kPagedDecodeMaxSplits % kSplitGroup == 0, "split groups");
@@ -222,11 +232,17 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kFp8TargetExp = 14;           // the staged maximum's exponent
 constexpr int kFp8MaxShift = 126;           // |shift| bound: 2^±shift stays a normal float
 
-template <int HD, bool FP8>
+template <int HD, bool FP8, int TILE_N>
 struct Traits {
   static constexpr int kElemBytes = FP8 ? 1 : 2;
   static constexpr int kRowBytes = HD * kElemBytes;        // one position of one kv head
   static constexpr int kChunks = kRowBytes / 16;           // 16-byte chunks per row: 4..32
+  // KV positions per tile (v23: FP8 64, the bytes of a BF16 tile): warp w owns score columns
+  // [w·kRowsPerWarp, (w+1)·kRowsPerWarp) — kScoreTiles n8 MMA tiles — and copies those rows.
+  static constexpr int kTileN = TILE_N;
+  static constexpr int kRowsPerWarp = kTileN / kWarps;     // 8 | 16
+  static constexpr int kScoreTiles = kRowsPerWarp / 8;     // 1 | 2
+  static constexpr int kPStride = kTileN + 8;              // P smem row stride (16-bit): 80 | 144 B, conflict-free
   static constexpr int kTileBytes = kTileN * kRowBytes;    // one K (or V) tile
   // L2 fill hint (bytes): the row, at most one 128-byte line (v12; v3–v11: at most 256). With
   // whole rows per warp instruction every line of a row is requested at once, so a larger
@@ -266,13 +282,14 @@ struct Problem {
   FastDiv div_bs;    // p / block_size
   FastDiv div_group; // row / group
   int split_cap;     // paged_decode_split_cap(nkv)
-  int block_rows;    // 1: block_size % 8 == 0, so a warp's 8 tile rows lie in one block (load_tile)
+  int block_rows;    // 1: block_size % kRowsPerWarp == 0, so a warp's tile rows lie in one block (load_tile)
   float score_mult;  // softmax_scale · log2e
   int splits_per_cta;  // consecutive splits per CTA: kSplitGroup in fused mode, else ≥ 1 (M_TILES == 1
                        // only above 1; see the launcher)
   int fold;            // 1: fused mode (the CTA's group folded in registers); 0: split mode (a partial
                        // per split, whatever splits_per_cta)
   int warm_early;      // 1: the grid is one wave → warm L2 with the prologue tiles before pdl_wait (v7)
+  int split_tile;      // paged_decode_tile_n(FP8): splits are whole tiles of the cache dtype (the combines')
 };
 
 // ---- PTX wrappers ---------------------------------------------------------------------------
@@ -526,10 +543,17 @@ __device__ __forceinline__ void store_partial_row(float* row, int t, V v) {
 // ---- attention kernel -----------------------------------------------------------------------
 
 // CTAs per SM the register budget must allow: one row tile → 2 (bf16 hd 256, smem-bound) or
-// 3 (fp8 hd 256: 3 × 76.8 KB smem), i.e. ≤ 170 registers; fp8 with Q in registers (QREG, one-
-// wave grids only) → 2.
-template <bool FP8, int M_TILES, bool QREG>
-constexpr int kMinCtasPerSm = M_TILES == 1 ? (FP8 && !QREG ? 3 : 2) : 1;
+// 3 (fp8 hd ≤ 128 without QREG: 3 × ≤ 73 KB smem), i.e. ≤ 170 registers; fp8 hd 256 (v23: 64-
+// position tiles, 108.5 KB) and QREG → 2.
+// KV positions per tile of an instance: the dtype's (paged_decode_tile_n), except FP8 with 4 row
+// tiles, which keeps 32 (v23: a second n8 score tile's 16 accumulators push its 255-register
+// instance into 196 B of spills). Splits stay whole tiles either way: the FP8 chunk is a
+// multiple of 64.
+template <bool FP8, int M_TILES>
+constexpr int kKernelTileN = FP8 && M_TILES == 4 ? kPagedDecodeTileN : paged_decode_tile_n(FP8);
+
+template <int HD, bool FP8, int M_TILES, bool QREG>
+constexpr int kMinCtasPerSm = M_TILES == 1 ? (FP8 && !QREG && HD < 256 ? 3 : 2) : 1;
 
 // QREG (one row tile, rows ≤ 8 — every q_len-1 decode of a GQA group ≤ 8): Q is held in
 // registers as the score MMAs' A fragments, loaded once from its smem staging, instead of 16
@@ -542,21 +566,21 @@ constexpr int kMinCtasPerSm = M_TILES == 1 ? (FP8 && !QREG ? 3 : 2) : 1;
 // instance's (v8: one-wave grids; v13: the rule by rounds): its +32 registers cost the third
 // CTA per SM, which only a multi-wave grid uses.
 template <int HD, bool FP8, int M_TILES, bool QREG>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm<FP8, M_TILES, QREG>)
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm<HD, FP8, M_TILES, QREG>)
 paged_decode_kernel(const __grid_constant__ Problem pb) {
-  using Tr = Traits<HD, FP8>;
+  using Tr = Traits<HD, FP8, kKernelTileN<FP8, M_TILES>>;
   constexpr int kRows = M_TILES * 16;
   constexpr int kStages = Tr::kStages;
   static_assert(!QREG || M_TILES == 1, "Q in registers: one row tile");
   const PagedDecodeArgs& a = pb.a;
 
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* kv_smem = smem;                                                  // [stages][K|V][32 rows] swizzled
-  float* scale_smem = reinterpret_cast<float*>(smem + kStages * 2 * Tr::kTileBytes);  // [stages][K|V][32]
+  uint8_t* kv_smem = smem;                                                  // [stages][K|V][kTileN rows] swizzled
+  float* scale_smem = reinterpret_cast<float*>(smem + kStages * 2 * Tr::kTileBytes);  // [stages][K|V][kTileN]
   __nv_bfloat16* q_smem = reinterpret_cast<__nv_bfloat16*>(
-      scale_smem + (FP8 ? kStages * 2 * kTileN : 0));                       // [kRows][kQStride]
+      scale_smem + (FP8 ? kStages * 2 * Tr::kTileN : 0));                   // [kRows][kQStride]
   __nv_bfloat16* p_smem = q_smem + kRows * Tr::kQStride;                    // [kRows][kPStride]
-  float* red_max = reinterpret_cast<float*>(p_smem + kRows * kPStride);     // [kWarps][kRows]
+  float* red_max = reinterpret_cast<float*>(p_smem + kRows * Tr::kPStride); // [kWarps][kRows]
   float* red_sum = red_max + kWarps * kRows;                                // [kWarps][kRows]
 
   // split, or split group (fused); row group (rows_total > kMaxRows only with 4 row tiles)
@@ -581,7 +605,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   auto row_offset = [&](int64_t cache_pos) {
     return (uint64_t)cache_pos * ((uint32_t)a.num_kv_heads * Tr::kRowBytes) + (uint32_t)kvh * Tr::kRowBytes;
   };
-  constexpr int kThreadsPerRow = kThreads / kTileN;            // 4 threads per tile row (warm-up)
+  constexpr int kThreadsPerRow = kThreads / Tr::kTileN;        // threads per tile row (warm-up): 4 | 2
 
   // -- (v7, one-wave grids) warm L2 with this CTA's prologue K/V rows BEFORE pdl_wait, so the
   //    first tiles stream while the previous kernel (the previous layer's or call's combine,
@@ -594,7 +618,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   //    start long after the previous kernel and would only add the two round trips.
   if (pb.warm_early) {
     const int len = min(max(__ldcg(a.seq_lens + b), 0), capacity);
-    const PagedDecodeSplit sp = paged_decode_split(len, pb.split_cap);
+    const PagedDecodeSplit sp = paged_decode_split(len, pb.split_cap, paged_decode_tile_n(FP8));
     const int first = unit * pb.splits_per_cta, which = tid % kThreadsPerRow;   // 0: K row, 1: V row
     if (first < sp.count && which < 2) {
       const int begin = first * sp.chunk;
@@ -602,7 +626,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
       int pos[kStages - 1], blk[kStages - 1];
 #pragma unroll
       for (int s = 0; s < kStages - 1; ++s) {   // all block-id loads first, then the prefetches
-        pos[s] = begin + s * kTileN + tid / kThreadsPerRow;
+        pos[s] = begin + s * Tr::kTileN + tid / kThreadsPerRow;
         blk[s] = pos[s] < end ? __ldcg(block_table + block_index(pos[s])) : -1;
       }
       const uint8_t* pool = static_cast<const uint8_t*>(which == 0 ? a.k_cache : a.v_cache);
@@ -628,14 +652,14 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   //    (4K, 256·cap] (up to 32K at nkv ≤ 2), and kPagedDecodeShortSplitLen, exact for most
   //    L ≤ 2K — puts the block-id fetch beside the seq_lens and Q loads; load_tile's __ldg
   //    then hits L1. A wrong guess costs a wasted prefetch.
-  if (tid % (kThreads / kTileN) == 0) {         // one thread per tile row
-    const int row = tid / (kThreads / kTileN), first = unit * pb.splits_per_cta;
+  if (tid % (kThreads / Tr::kTileN) == 0) {     // one thread per tile row
+    const int row = tid / (kThreads / Tr::kTileN), first = unit * pb.splits_per_cta;
 #pragma unroll
     for (int guess = 0; guess < 2; ++guess) {
       const int begin = first * (guess == 0 ? kPagedDecodeMinSplitLen : kPagedDecodeShortSplitLen);
 #pragma unroll
       for (int s = 0; s < kStages - 1; ++s) {
-        const int idx = block_index(begin + s * kTileN + row);
+        const int idx = block_index(begin + s * Tr::kTileN + row);
         if (idx < a.max_blocks) prefetch_l1(block_table + idx);
       }
     }
@@ -717,15 +741,15 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   load_q(0);
 
   const int seq_len = min(max(a.seq_lens[b], 0), capacity);
-  const PagedDecodeSplit plan = paged_decode_split(seq_len, pb.split_cap);
+  const PagedDecodeSplit plan = paged_decode_split(seq_len, pb.split_cap, paged_decode_tile_n(FP8));
   const int first_split = unit * pb.splits_per_cta;
   if (first_split >= plan.count) return;                       // whole CTA: no barrier skipped
   const int last_split = min(first_split + pb.splits_per_cta, plan.count);  // exclusive
   const bool fused = pb.fold != 0;
   const int kv_begin = first_split * plan.chunk;
   const int kv_end = min(last_split * plan.chunk, seq_len);    // ≥ kv_begin; splits never share a tile
-  const int n_tiles = (kv_end - kv_begin + kTileN - 1) / kTileN;
-  const int tiles_per_split = plan.chunk / kTileN;
+  const int n_tiles = (kv_end - kv_begin + Tr::kTileN - 1) / Tr::kTileN;
+  const int tiles_per_split = plan.chunk / Tr::kTileN;
   // A gated CTA that writes out itself (one split, or a fused sequence of one group) warms L2
   // with its rows' gates now, so the epilogue's gate loads do not add a DRAM round trip.
   if (a.gate != nullptr && tid < rows && (plan.count == 1 || (fused && plan.count <= kSplitGroup))) {
@@ -746,18 +770,19 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     }
 
   // -- load: tile `tile` of this split → stage `stage` (cp.async, zero-filled when invalid).
-  //    Copy ownership (v12): warp w copies tile rows 8w .. 8w+7, each row by kLanesPerRow
+  //    Copy ownership (v12): warp w copies tile rows R·w .. R·w + R − 1 (R = kRowsPerWarp: 8, FP8
+  //    16 since v23 — the rows it scores), each row by kLanesPerRow
   //    consecutive lanes, lane chunk c = lane % kLanesPerRow — so one warp instruction covers
   //    whole rows (hd 256 bf16: one 512-byte row, 4 full 128-byte lines), where v2–v11's
   //    4-threads-per-row ownership covered 8 rows × 64 bytes: 8 half lines, twice the L2
-  //    requests per byte (the moe_experts v8 lesson). Lane l < 8 looks up row 8w + l's block id
+  //    requests per byte (the moe_experts v8 lesson). Lane l < R looks up row R·w + l's block id
   //    (one lookup per tile, as before) and the row's offset reaches the copying lanes by
   //    shuffle. The position is clamped into [0, kv_end) (always inside the table, no branch);
   //    a position past the split end, or whose block id lies outside [0, num_blocks), is
-  //    zero-filled (never read; it reads as K = V = 0). For FP8, lane l < 8 also copies row
-  //    8w + l's K and V scales. The shared-memory image is v11's byte for byte (same swizzle),
+  //    zero-filled (never read; it reads as K = V = 0). For FP8, lane l < R also copies row
+  //    R·w + l's K and V scales. The shared-memory image is v11's byte for byte (same swizzle),
   //    so the math and its bits are unchanged.
-  constexpr int kRowsPerWarp = kTileN / kWarps;                             // 8
+  constexpr int kRowsPerWarp = Tr::kRowsPerWarp;                           // 8 | 16
   constexpr int kLanesPerRow = Tr::kChunks < 32 ? Tr::kChunks : 32;         // 4 .. 32
   constexpr int kRowsPerCopy = 32 / kLanesPerRow;                           // rows per warp instruction
   static_assert(Tr::kChunks <= 32 && kRowsPerWarp % kRowsPerCopy == 0, "copy ownership");
@@ -766,11 +791,11 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     const uint32_t k_dst = smem_addr(kv_smem) + (stage * 2) * Tr::kTileBytes;
     const uint8_t* k_pool = static_cast<const uint8_t*>(a.k_cache);
     const uint8_t* v_pool = static_cast<const uint8_t*>(a.v_cache);
-    // v21: one block holds the warp's 8 rows (tiles start at multiples of 32): one broadcast lookup
-    // and a row stride, not 8 lookups + 16 shuffles. The 4-row-tile instances (255 registers) keep
+    // v21: one block holds the warp's R rows (tiles start at multiples of kTileN): one broadcast
+    // lookup and a row stride, not R lookups + 2R shuffles. The 4-row-tile instances (255 registers) keep
     // the per-row path below, which every block size can take.
     if (M_TILES < 4 && pb.block_rows) {
-      const int pos0 = kv_begin + tile * kTileN + kRowsPerWarp * warp;   // the warp's first row
+      const int pos0 = kv_begin + tile * Tr::kTileN + kRowsPerWarp * warp;   // the warp's first row
       const int blk_idx = block_index(min(pos0, kv_end - 1));
       const int blk = __ldg(block_table + blk_idx);              // one address per warp
       const bool blk_ok = (unsigned)blk < (unsigned)a.num_blocks;
@@ -779,7 +804,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
       const uint32_t row_stride = (uint32_t)a.num_kv_heads * Tr::kRowBytes;
 #pragma unroll
       for (int i = 0; i < kRowsPerWarp / kRowsPerCopy; ++i) {
-        const int r = i * kRowsPerCopy + lane_row;             // row within the warp's 8
+        const int r = i * kRowsPerCopy + lane_row;             // row within the warp's R
         const bool row_ok = blk_ok && pos0 + r < kv_end;
         const uint64_t off = row_ok ? base + (uint64_t)(r * row_stride + 16 * lane_chunk) : 0;
         const uint32_t dst = k_dst + Tr::swizzle(kRowsPerWarp * warp + r, lane_chunk);
@@ -787,19 +812,19 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         cp_async_16_kv<Tr::kPrefetch>(dst + Tr::kTileBytes, v_pool + off, row_ok);
       }
       if constexpr (FP8) {
-        if (lane < kRowsPerWarp) {                             // row 8w + lane's K and V scales
+        if (lane < kRowsPerWarp) {                             // row R·w + lane's K and V scales
           const bool ok = blk_ok && pos0 + lane < kv_end;
           const int64_t si = (cache_pos0 + lane) * a.num_kv_heads + kvh;
-          float* s_dst = scale_smem + (stage * 2) * kTileN + kRowsPerWarp * warp + lane;
+          float* s_dst = scale_smem + (stage * 2) * Tr::kTileN + kRowsPerWarp * warp + lane;
           cp_async_4(smem_addr(s_dst), ok ? a.k_scale + si : a.k_scale, ok);
-          cp_async_4(smem_addr(s_dst + kTileN), ok ? a.v_scale + si : a.v_scale, ok);
+          cp_async_4(smem_addr(s_dst + Tr::kTileN), ok ? a.v_scale + si : a.v_scale, ok);
         }
       }
       return;
     }
-    // lookup lanes: row 8w + lane (lanes ≥ 8 look up a valid duplicate and are never asked)
+    // lookup lanes: row R·w + lane (lanes ≥ R look up a valid duplicate and are never asked)
     const int look_row = kRowsPerWarp * warp + (lane % kRowsPerWarp);
-    const int pos = kv_begin + tile * kTileN + look_row;
+    const int pos = kv_begin + tile * Tr::kTileN + look_row;
     const int p = min(pos, kv_end - 1);                        // kv_end > kv_begin here
     const int blk_idx = block_index(p);
     const int blk = __ldg(block_table + blk_idx);
@@ -811,7 +836,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     const uint32_t off_lo = (uint32_t)row_off, off_hi = (uint32_t)(row_off >> 32) | (ok ? 0x80000000u : 0u);
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp / kRowsPerCopy; ++i) {
-      const int r = i * kRowsPerCopy + lane_row;               // row within the warp's 8
+      const int r = i * kRowsPerCopy + lane_row;               // row within the warp's R
       const uint32_t lo = __shfl_sync(0xffffffffu, off_lo, r);
       const uint32_t hi = __shfl_sync(0xffffffffu, off_hi, r);
       const bool row_ok = (hi & 0x80000000u) != 0u;
@@ -823,9 +848,9 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     if constexpr (FP8) {
       if (lane < kRowsPerWarp) {                               // row look_row's K and V scales
         const int64_t si = cache_pos * a.num_kv_heads + kvh;
-        float* s_dst = scale_smem + (stage * 2) * kTileN + look_row;
+        float* s_dst = scale_smem + (stage * 2) * Tr::kTileN + look_row;
         cp_async_4(smem_addr(s_dst), ok ? a.k_scale + si : a.k_scale, ok);
-        cp_async_4(smem_addr(s_dst + kTileN), ok ? a.v_scale + si : a.v_scale, ok);
+        cp_async_4(smem_addr(s_dst + Tr::kTileN), ok ? a.v_scale + si : a.v_scale, ok);
       }
     }
   };
@@ -975,40 +1000,47 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     const int stage = tile % kStages;
     const uint8_t* k_tile = kv_smem + (stage * 2) * Tr::kTileBytes;
     const uint8_t* v_tile = k_tile + Tr::kTileBytes;
-    const float* k_scale_tile = scale_smem + stage * 2 * kTileN;
-    const float* v_scale_tile = k_scale_tile + kTileN;
-    const int tile_start = kv_begin + tile * kTileN;
+    const float* k_scale_tile = scale_smem + stage * 2 * Tr::kTileN;
+    const float* v_scale_tile = k_scale_tile + Tr::kTileN;
+    const int tile_start = kv_begin + tile * Tr::kTileN;
 
-    // score: S[rows, 8w .. 8w+7] = Q · K^T, 64 hd per step. With one row tile the hd/16 MMAs
-    // would form one dependent chain; kChains accumulators (k chunk i feeds chain i % kChains)
-    // cut it to hd/16 / kChains, summed in chain order. v18: 4 chains for BF16 (B = 1 is this
-    // chain's latency, tile after tile); v21: FP8 too — before v21's split loop freed registers its
-    // 3-CTA instance (168 registers) spilled with 4 (session 30). QREG and smem-Q instances of a
-    // dtype share the count, so a row's bits never depend on which one ran.
-    constexpr int kChains = M_TILES == 1 ? 4 : 1;
-    float s_part[kChains][M_TILES][4];
+    // score: S[rows, the warp's kRowsPerWarp columns] = Q · K^T, kNT n8 tiles, 64 hd per step.
+    // With one row tile an n8 tile's hd/16 MMAs would form one dependent chain; kChains
+    // accumulators per n8 tile (k chunk i feeds chain i % kChains) cut it to hd/16 / kChains,
+    // summed in chain order. v18: 4 chains for BF16 (B = 1 is this chain's latency, tile after
+    // tile); v21: FP8 too; v23: FP8's two n8 tiles × 2 chains (4 independent chains per warp,
+    // the same registers). QREG and smem-Q instances of a dtype share the count, so a row's bits
+    // never depend on which one ran.
+    constexpr int kNT = Tr::kScoreTiles;
+    constexpr int kChains = M_TILES == 1 ? 4 / kNT : 1;
+    float s_part[kChains][kNT][M_TILES][4];
 #pragma unroll
     for (int c = 0; c < kChains; ++c)
 #pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt)
+      for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) s_part[c][mt][i] = 0.f;
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s_part[c][nt][mt][i] = 0.f;
 #pragma unroll
     for (int k64 = 0; k64 < HD / 64; ++k64) {
-      uint32_t kb[4][2];                        // B fragments of 4 k16 chunks
-      const int krow = 8 * warp + (lane & 7);
-      if constexpr (FP8) {                      // one 8×16-byte matrix = 16 hd × 8 positions
-        uint32_t r[4];
-        ldmatrix_x4(r, smem_addr(k_tile + Tr::swizzle(krow, 4 * k64 + lane / 8)));
+      uint32_t kb[kNT][4][2];                   // B fragments of 4 k16 chunks per n8 tile
 #pragma unroll
-        for (int i = 0; i < 4; ++i) e4m3x4_to_f16x2(r[i], kb[i][0], kb[i][1]);
-      } else {                                  // one matrix = 8 hd × 8 positions
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
+      for (int nt = 0; nt < kNT; ++nt) {
+        const int krow = kRowsPerWarp * warp + 8 * nt + (lane & 7);
+        if constexpr (FP8) {                    // one 8×16-byte matrix = 16 hd × 8 positions
           uint32_t r[4];
-          ldmatrix_x4(r, smem_addr(k_tile + Tr::swizzle(krow, 8 * k64 + 4 * h2 + lane / 8)));
-          kb[2 * h2][0] = r[0]; kb[2 * h2][1] = r[1];
-          kb[2 * h2 + 1][0] = r[2]; kb[2 * h2 + 1][1] = r[3];
+          ldmatrix_x4(r, smem_addr(k_tile + Tr::swizzle(krow, 4 * k64 + lane / 8)));
+#pragma unroll
+          for (int i = 0; i < 4; ++i) e4m3x4_to_f16x2(r[i], kb[nt][i][0], kb[nt][i][1]);
+        } else {                                // one matrix = 8 hd × 8 positions
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            uint32_t r[4];
+            ldmatrix_x4(r, smem_addr(k_tile + Tr::swizzle(krow, 8 * k64 + 4 * h2 + lane / 8)));
+            kb[nt][2 * h2][0] = r[0]; kb[nt][2 * h2][1] = r[1];
+            kb[nt][2 * h2 + 1][0] = r[2]; kb[nt][2 * h2 + 1][1] = r[3];
+          }
         }
       }
 #pragma unroll
@@ -1022,36 +1054,46 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
           } else {
             ldmatrix_x4(qa, smem_addr(q_smem + (mt * 16 + (lane & 15)) * Tr::kQStride + kc * 16 + (lane >> 4) * 8));
           }
-          mma_16816<FP8>(s_part[i % kChains][mt], qa, kb[i][0], kb[i][1]);
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) mma_16816<FP8>(s_part[i % kChains][nt][mt], qa, kb[nt][i][0], kb[nt][i][1]);
         }
       }
     }
-    float s_acc[M_TILES][4];
+    float s_acc[kNT][M_TILES][4];
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
+    for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        s_acc[mt][i] = s_part[0][mt][i];
+      for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-        for (int c = 1; c < kChains; ++c) s_acc[mt][i] += s_part[c][mt][i];
-      }
+        for (int i = 0; i < 4; ++i) {
+          s_acc[nt][mt][i] = s_part[0][nt][mt][i];
+#pragma unroll
+          for (int c = 1; c < kChains; ++c) s_acc[nt][mt][i] += s_part[c][nt][mt][i];
+        }
 
-    // scale + causal mask, then this warp's row maxima over its 8 columns
-    const int col = 8 * warp + 2 * t;           // tile column of element 0
-    float col_mult[2];
+    // scale + causal mask, then this warp's row maxima over its kRowsPerWarp columns
+    auto score_col = [&](int nt) { return kRowsPerWarp * warp + 8 * nt + 2 * t; };   // tile column of element 0
+    float col_mult[kNT][2];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) col_mult[e] = FP8 ? k_scale_tile[col + e] : pb.score_mult;
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) col_mult[nt][e] = FP8 ? k_scale_tile[score_col(nt) + e] : pb.score_mult;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
+        float mx = -INFINITY;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& sv = s_acc[mt][2 * hh + e];
-          const float mult = FP8 ? col_mult[e] * row_score_mult[mt][hh] : col_mult[e];
-          sv = (tile_start + col + e <= last_pos[mt][hh]) ? sv * mult : -INFINITY;
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& sv = s_acc[nt][mt][2 * hh + e];
+            const float mult = FP8 ? col_mult[nt][e] * row_score_mult[mt][hh] : col_mult[nt][e];
+            sv = (tile_start + score_col(nt) + e <= last_pos[mt][hh]) ? sv * mult : -INFINITY;
+          }
+          const float mx_nt = fmaxf(s_acc[nt][mt][2 * hh], s_acc[nt][mt][2 * hh + 1]);
+          mx = nt == 0 ? mx_nt : fmaxf(mx, mx_nt);
         }
-        float mx = fmaxf(s_acc[mt][2 * hh], s_acc[mt][2 * hh + 1]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         if (t == 0) red_max[warp * kRows + mt * 16 + g + 8 * hh] = mx;
@@ -1069,20 +1111,26 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
     // P element < 2^15), taken as the split's new p_exp only when smaller (then O, in units of the
     // old 2^p_exp, steps down by o_step through α; the scale never grows within a split, so the
     // large terms already summed stay exact). Every warp derives the same se (redux over the
-    // same 32 scales).
+    // same kTileN scales).
     float alpha[M_TILES][2];
-    float p_mult[2];
+    float p_mult[kNT][2];
     float o_step = 1.f;                         // FP8: 2^(new p_exp − old p_exp) ≤ 1
     if constexpr (FP8) {
-      const uint32_t vmax = __reduce_max_sync(0xffffffffu, __float_as_uint(v_scale_tile[lane]));
+      uint32_t vmax = __float_as_uint(v_scale_tile[lane]);   // scales ≥ 0: uint order = float order
+#pragma unroll
+      for (int i = 32; i < Tr::kTileN; i += 32) vmax = max(vmax, __float_as_uint(v_scale_tile[lane + i]));
+      vmax = __reduce_max_sync(0xffffffffu, vmax);
       const int se = min(p_exp, kFp8TargetExp + 127 - (int)((vmax >> 23) & 0xFF));
       o_step = exp2_int(max(se - p_exp, -127));   // 2^-127 → 0 (bits 0): a step that large
       p_exp = se;                                 // only ever meets an O of zeros
       const float p_scale = exp2_int(se);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) p_mult[e] = v_scale_tile[col + e] * p_scale;
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) p_mult[nt][e] = v_scale_tile[score_col(nt) + e] * p_scale;
     } else {
-      p_mult[0] = p_mult[1] = 1.f;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) p_mult[nt][0] = p_mult[nt][1] = 1.f;
     }
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
@@ -1096,11 +1144,16 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         const float m_use = m_new == -INFINITY ? 0.f : m_new;   // all masked so far: p = 0
         alpha[mt][hh] = exp2_approx(m_run[mt][hh] - m_use);
         m_run[mt][hh] = m_new;
-        const float p0 = exp2_approx(s_acc[mt][2 * hh] - m_use);
-        const float p1 = exp2_approx(s_acc[mt][2 * hh + 1] - m_use);
-        l_run[mt][hh] = l_run[mt][hh] * alpha[mt][hh] + (p0 + p1);
-        *reinterpret_cast<uint32_t*>(p_smem + r * kPStride + col) =
-            FP8 ? pack_f16x2(p0 * p_mult[0], p1 * p_mult[1]) : pack_bf16x2(p0 * p_mult[0], p1 * p_mult[1]);
+        float p_sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          const float p0 = exp2_approx(s_acc[nt][mt][2 * hh] - m_use);
+          const float p1 = exp2_approx(s_acc[nt][mt][2 * hh + 1] - m_use);
+          p_sum = nt == 0 ? p0 + p1 : p_sum + (p0 + p1);
+          *reinterpret_cast<uint32_t*>(p_smem + r * Tr::kPStride + score_col(nt)) =
+              FP8 ? pack_f16x2(p0 * p_mult[nt][0], p1 * p_mult[nt][1]) : pack_bf16x2(p0 * p_mult[nt][0], p1 * p_mult[nt][1]);
+        }
+        l_run[mt][hh] = l_run[mt][hh] * alpha[mt][hh] + p_sum;
         if constexpr (FP8) alpha[mt][hh] *= o_step;   // after l's update: l counts p alone
       }
     __syncthreads();                            // (P written) P tile complete
@@ -1114,11 +1167,11 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
         o_acc[mt][n][2] *= alpha[mt][1]; o_acc[mt][n][3] *= alpha[mt][1];
       }
 #pragma unroll
-    for (int kc = 0; kc < kTileN / 16; ++kc) {
+    for (int kc = 0; kc < Tr::kTileN / 16; ++kc) {
       uint32_t pa[M_TILES][4];
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt)
-        ldmatrix_x4(pa[mt], smem_addr(p_smem + (mt * 16 + (lane & 15)) * kPStride + kc * 16 + (lane >> 4) * 8));
+        ldmatrix_x4(pa[mt], smem_addr(p_smem + (mt * 16 + (lane & 15)) * Tr::kPStride + kc * 16 + (lane >> 4) * 8));
       const int vrow = 16 * kc + (lane & 7) + 8 * ((lane >> 3) & 1);  // positions 0-7 | 8-15
 #pragma unroll
       for (int u = 0; u < Tr::kVUnits; ++u) {
@@ -1260,7 +1313,7 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
   unsigned short gate_c = 0;
   if (gate != nullptr && threadIdx.x < kGcCols)
     gate_c = __ldcg(reinterpret_cast<const unsigned short*>(gate) + col0 + threadIdx.x);
-  const int count = paged_decode_split(seq_len, pb.split_cap).count;
+  const int count = paged_decode_split(seq_len, pb.split_cap, pb.split_tile).count;
   if (count <= 1) {                             // the attention kernel wrote out (whole CTA)
     pdl_wait();                                 // (every CTA waits: the grid's end implies the attention's)
     pdl_launch_dependents();
@@ -1380,7 +1433,7 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
     const int gr = e0 / hd;
     prefetch_l2(gate_row(a, b, row_head(pb, kvh, gr)) + e0 % hd);
   }
-  const int count = paged_decode_split(seq_len, pb.split_cap).count;
+  const int count = paged_decode_split(seq_len, pb.split_cap, pb.split_tile).count;
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;
   // count ≤ 1, or a fused sequence of one group: the attention kernel wrote out (see there)
   if (count <= 1 || (kFused && groups <= 1) || e0 >= pb.rows_total * hd) {
@@ -1492,10 +1545,10 @@ constexpr int kMaxDevices = 64;
 
 template <int HD, bool FP8, int M_TILES>
 size_t smem_bytes() {
-  using Tr = Traits<HD, FP8>;
+  using Tr = Traits<HD, FP8, kKernelTileN<FP8, M_TILES>>;
   constexpr int kRows = M_TILES * 16;
-  return (size_t)Tr::kStages * 2 * Tr::kTileBytes + (FP8 ? Tr::kStages * 2 * kTileN * sizeof(float) : 0) +
-         (size_t)kRows * Tr::kQStride * 2 + (size_t)kRows * kPStride * 2 + 2 * kWarps * kRows * sizeof(float);
+  return (size_t)Tr::kStages * 2 * Tr::kTileBytes + (FP8 ? Tr::kStages * 2 * Tr::kTileN * sizeof(float) : 0) +
+         (size_t)kRows * Tr::kQStride * 2 + (size_t)kRows * Tr::kPStride * 2 + 2 * kWarps * kRows * sizeof(float);
 }
 
 // The attention grid: (split units · row groups, kv heads, sequences), from host-known bounds.
@@ -1569,7 +1622,7 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   // gained 0.3–0.5 µs from it and 256 (× 32K) 1.4.
   const int capacity = pb.a.max_blocks * pb.a.block_size;
   const bool long_splits =
-      paged_decode_split(capacity, pb.split_cap).chunk >= kPagedDecodeMinSplitLen;
+      paged_decode_split(capacity, pb.split_cap, pb.split_tile).chunk >= kPagedDecodeMinSplitLen;
   p.warm_early = !FP8 && long_splits && grid_ctas(grid) <= resident && 2 * grid_ctas(grid) > sms ? 1 : 0;
   return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);   // see pdl_wait in the kernel
 }
@@ -1580,10 +1633,11 @@ cudaError_t launch_rows(const Problem& pb, int m_tiles, cudaStream_t stream) {
     case 1:
       if (pb.rows_total <= 8) {                 // Q in registers (see QREG)
         if constexpr (!FP8) return launch_instance<HD, FP8, 1, true>(pb, stream);
-        // fp8: QREG's registers cost a CTA per SM (hd 256: 2 instead of 3), so it runs where its
-        // grid needs no more rounds of resident CTAs than the smem-Q instance's: one wave (v8),
-        // and e.g. 397..528 CTAs on 132 SMs (session 28: B = 8 × 8K fp8 16/2, 512 CTAs, 38.1 →
-        // 33.9 µs; at 1024 CTAs, 4 rounds against 3, it loses 5%). Same bits either way.
+        // fp8: where QREG's registers cost a CTA per SM (v13–v22 hd 256, 2 instead of 3; since
+        // v23 only hd ≤ 128: at hd 256 smem holds 2 either way) it runs where its grid needs no
+        // more rounds of resident CTAs than the smem-Q instance's: one wave (v8), and e.g.
+        // 397..528 CTAs on 132 SMs (session 28: B = 8 × 8K fp8 16/2, 512 CTAs, 38.1 → 33.9 µs;
+        // at 1024 CTAs, 4 rounds against 3, it loses 5%). Same bits either way.
         int64_t with_qreg = 0, without = 0;
         ATLAS_RETURN_IF_ERROR((instance_resident<HD, FP8, 1, true>(with_qreg)));
         ATLAS_RETURN_IF_ERROR((instance_resident<HD, FP8, 1, false>(without)));
@@ -1630,7 +1684,8 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
   pb.div_bs = fast_div(a.block_size);
   pb.div_group = fast_div(pb.group);
   pb.split_cap = paged_decode_split_cap(a.num_kv_heads);
-  pb.block_rows = a.block_size % (kTileN / kWarps) == 0 ? 1 : 0;
+  pb.split_tile = paged_decode_tile_n(fp8);
+  pb.block_rows = a.block_size % (pb.split_tile / kWarps) == 0 ? 1 : 0;
   pb.score_mult = a.softmax_scale * kLog2e;
   const int m_tiles = (min(pb.rows_total, kMaxRows) + 15) / 16;
   // Fused mode (one CTA per group of kSplitGroup splits, folded in registers: partial-O traffic

@@ -50,7 +50,8 @@ constexpr int kPagedDecodeMaxQLen = 8;
 // kv-head count) only, never on the batch, so a sequence's output bits do not depend on what
 // else is in the batch. A sequence of L tokens gets
 //   nominal = clamp(max(ceil(L / 256), min(ceil(L / 128), 16)), 1, cap),   cap = paged_decode_split_cap(nkv)
-// splits of chunk = round_up(ceil(L / nominal), kPagedDecodeTileN) positions; the count that
+// splits of chunk = round_up(ceil(L / nominal), tile) positions (tile: the cache dtype's KV tile,
+// paged_decode_tile_n — a split is whole tiles, so BF16 and FP8 chunks can differ); the count that
 // actually holds positions is ceil(L / chunk) ≤ nominal. cap = clamp(256 / nkv, 16, 128): at
 // B = 1 a long sequence still fills ~2 CTAs per SM of the H200's 132 (nkv · cap ≈ 256 CTAs),
 // while more kv heads need fewer splits, and so less partial-O traffic, to get there.
@@ -60,7 +61,8 @@ constexpr int kPagedDecodeMaxQLen = 8;
 // ~0.5 µs each), while the doubled partial traffic (≈ 8·rows / (256·elem) of the KV bytes)
 // costs < 0.1 µs there. The rule stays monotone in L (the max of two monotone terms), so the
 // count at the table's capacity bounds every sequence's count (the workspace size).
-constexpr int kPagedDecodeTileN = 32;           // KV positions per shared-memory tile
+constexpr int kPagedDecodeTileN = 32;           // KV positions per shared-memory tile (BF16)
+constexpr int kPagedDecodeTileNFp8 = 64;        // FP8 (v23): the same bytes per tile as BF16's
 constexpr int kPagedDecodeMinSplitLen = 256;    // 8 tiles; partial O ≈ 4·rows / (256·elem) of the KV bytes
 constexpr int kPagedDecodeShortSplitLen = 128;  // 4 tiles, for short sequences ...
 constexpr int kPagedDecodeShortSplits = 16;     // ... up to this many splits
@@ -68,7 +70,7 @@ constexpr int kPagedDecodeMaxSplits = 128;      // largest cap (nkv ≤ 2)
 constexpr int kPagedDecodeTargetCtas = 256;     // kv heads × splits wanted for one long sequence
 
 struct PagedDecodeSplit {
-  int chunk;  // positions per split, a multiple of kPagedDecodeTileN
+  int chunk;  // positions per split, a multiple of the tile
   int count;  // splits holding positions (1 when L == 0)
 };
 
@@ -86,11 +88,15 @@ __host__ __device__ inline int paged_decode_nominal_splits(int64_t len, int cap)
   return n < 1 ? 1 : static_cast<int>(n > cap ? cap : n);
 }
 
-__host__ __device__ inline PagedDecodeSplit paged_decode_split(int seq_len, int cap) {
+// KV positions per shared-memory tile of a cache dtype.
+__host__ __device__ constexpr int paged_decode_tile_n(bool fp8) { return fp8 ? kPagedDecodeTileNFp8 : kPagedDecodeTileN; }
+
+// The splits of a sequence of seq_len tokens, for tiles of `tile` positions (paged_decode_tile_n).
+__host__ __device__ inline PagedDecodeSplit paged_decode_split(int seq_len, int cap, int tile) {
   const int len = seq_len > 0 ? seq_len : 0;
   const int nominal = paged_decode_nominal_splits(len, cap);
   const int per = ((len > 0 ? len : 1) + nominal - 1) / nominal;
-  const int chunk = (per + kPagedDecodeTileN - 1) / kPagedDecodeTileN * kPagedDecodeTileN;
+  const int chunk = (per + tile - 1) / tile * tile;
   const int count = len > 0 ? (len + chunk - 1) / chunk : 1;
   return {chunk, count};
 }

@@ -264,6 +264,12 @@ KERNEL_CASES = [  # (B, max_len, bs, hd, nq, nkv, q_len): sampled, L = 32768 onl
     (1, 32768, 16, 256, 24, 4, 3),
     (3, 32768, 528, 128, 8, 8, 8),
     (2, 9000, 16, 64, 8, 1, 2),          # grouped combine at hd 64 (2 CTAs per row), 5 groups
+    # FP8's 64-position tiles (v23): whole-tile splits of chunk % 64 == 0 (L 2100: 16 splits of
+    # 160 positions at bf16, 192 at fp8; L 36000 past the cap: 288 / 320), and block sizes that
+    # hold a bf16 warp's 8 tile rows but not an fp8 warp's 16 (the per-row lookups)
+    (2, 2100, 8, 256, 16, 2, 1),
+    (3, 5000, 24, 128, 24, 4, 3),        # 18 rows: 2 row tiles
+    (1, 36000, 16, 64, 8, 1, 1),
 ]
 
 # bf16 output rounding (2^-9) plus P rounded to bf16 (FP8 KV: f16) before P·V: ~3e-3 typical

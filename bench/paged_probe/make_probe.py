@@ -142,7 +142,8 @@ replace("  if (first_split >= plan.count) return;                       // whole
     return;
   }
 """)
-after("  const int tiles_per_split = plan.chunk / kTileN;",
+after("  const int tiles_per_split = plan.chunk / Tr::kTileN;" if "plan.chunk / Tr::kTileN;" in src else
+      "  const int tiles_per_split = plan.chunk / kTileN;",                       # up to v22
       "  if (probe_rec != nullptr) probe_rec[17] = n_tiles + 1;     // paged_probe\n")
 after("    cp_async_commit();                          // empty groups keep the wait counts uniform\n  }",
       "  probe_stamp(probe_rec, 3);                    // paged_probe: prologue copies issued\n")
@@ -320,6 +321,8 @@ after("  pb.a = a;", """\
 _m = re.search(r"^  return launch_\w+\(kernel, grid, dim3\(([^)]*)\),.*// see pdl_wait in the kernel$", src, re.M)
 assert _m, "the attention launch line"
 _threads, _launch = _m.group(1), _m.group(0)
+# the instance's Traits: a tile-size argument since v23
+_traits = ("Traits<HD, FP8, kKernelTileN<FP8, M_TILES>>" if "kKernelTileN" in src else "Traits<HD, FP8>")
 replace(_launch, """\
   if (g_force_warm >= 0) p.warm_early = g_force_warm;   // paged_probe override
   {                                                     // paged_probe: what this call launches
@@ -329,7 +332,7 @@ replace(_launch, """\
     g_attn_hd = HD; g_attn_fp8 = FP8; g_attn_m_tiles = M_TILES; g_attn_qreg = QREG;
     g_attn_splits_per_cta = p.splits_per_cta; g_attn_warm = p.warm_early;
     g_attn_resident = (int)resident; g_attn_regs = fa.numRegs; g_attn_smem = (int)smem;
-    g_attn_stages = Traits<HD, FP8>::kStages; g_attn_warps = (""" + _threads + """) / 32;
+    g_attn_stages = """ + _traits + """::kStages; g_attn_warps = (""" + _threads + """) / 32;
     g_comb_kind = g_comb_ctas = g_comb_threads = g_comb_regs = 0;   // set again if a combine follows
   }
 """ + _launch + "\n")

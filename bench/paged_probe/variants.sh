@@ -40,7 +40,13 @@
 #           share of the call, i.e. what folding the splits inside the attention grid could save
 #   vstore  vector_store.patch: the split and fused partials stored as the runs a lane owns (bf16 8-byte,
 #           fp8 16-byte stores: 108 scalar STG → 48 STG.64 + 12 / 24 STG.128 + 12 in a one-row-tile
-#           instance); same bits (session 31: prepared, not run)
+#           instance); same bits (session 32: landed as v22, so the patch no longer applies)
+#   emptycomb the combine launched, but every CTA returns after its wait (wrong output wherever a sequence
+#           has several splits): with nocomb, splits the combine's cost into the grid boundary
+#           (emptycomb − nocomb) and its work after the wait (base − emptycomb)
+#   fused512 kFusedMinCtas 512 (fused mode only for grids of ≥ 512 fused CTAs): B = 32 × 8K runs split
+#           mode — fp8: 384 CTAs of ≤ 6 splits on the 3-CTA instance instead of 256 fused CTAs of 8
+#           at 2 per SM; bf16: 256 CTAs either way (split mode's 8× partials at equal CTAs)
 #   w8      eight_warps.patch applied: an 8-warp instance for grids of ≤ 1 CTA per SM (warps w, w + 4
 #           the same scores, the P·V columns and copies split over 8; same bits; session 30: B = 1
 #           5–24% slower)
@@ -50,7 +56,8 @@
 #           one-wave L2 warm-up keeps its 256-position gate)
 #   fp8qreg FP8 with Q in registers (QREG, 2 CTAs per SM) at every grid size, not only where its
 #           grid needs no more rounds of resident CTAs than the 3-CTA instance (session 28: worse)
-#   prev    the kernel source at $PREV_SRC (e.g. a saved copy of the previous version), same header
+#   prev    the kernel source at $PREV_SRC (e.g. a saved copy of the previous version), with the header
+#           at $PREV_HDR when given (else the current one)
 #   warp    warp_split.patch applied: the ≤ 8-row warp-split kernel of session 29 (2-warp CTAs,
 #           each warp an independent split worker, tile math transposed; bench/NOTES.md: not
 #           adopted — B = 1 short sequences +10..14%)
@@ -86,7 +93,8 @@ for v in $VARIANTS; do
     src=$d/patched.cu
   fi
   python3 make_probe.py "$src" "$d/probe_kernel.cu" || exit 1
-  cp ../../csrc/paged_decode.h "$d/"
+  hdr=../../csrc/paged_decode.h; [ "$v" = prev ] && hdr=${PREV_HDR:-$hdr}   # prev: its own header when the API moved
+  cp "$hdr" "$d/paged_decode.h"
   case $v in t128*) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeTargetCtas = 256;/kPagedDecodeTargetCtas = 128;/' "TargetCtas = 128;";; esac
   case $v in split64) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeShortSplitLen = 128;/kPagedDecodeShortSplitLen = 64;/' "SplitLen = 64;";; esac
   case $v in split32) patch_or_die "$d/paged_decode.h" 's/kPagedDecodeShortSplitLen = 128;/kPagedDecodeShortSplitLen = 32;/' "SplitLen = 32;";; esac
@@ -94,6 +102,9 @@ for v in $VARIANTS; do
                     patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
   case $v in short64) patch_or_die "$d/paged_decode.h" 's/s = s < kPagedDecodeShortSplits ? s : kPagedDecodeShortSplits;/const int64_t sc = cap \/ 2 > kPagedDecodeShortSplits ? cap \/ 2 : kPagedDecodeShortSplits; s = s < sc ? s : sc;/' "s = s < sc ? s : sc;"
                      patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
+  case $v in emptycomb) patch_or_die "$d/probe_kernel.cu" 's|  if (count <= 1) {                             // the attention kernel wrote out (whole CTA)|  if (true) {   // emptycomb|' "emptycomb"
+                       patch_or_die "$d/probe_kernel.cu" 's|  if (count <= 1 \|\| (kFused \&\& groups <= 1) \|\| e0 >= pb.rows_total \* hd) {|  if (true) {   // emptycomb2|' "emptycomb2";; esac
+  case $v in fused512) patch_or_die "$d/probe_kernel.cu" 's/kFusedMinCtas = 256;/kFusedMinCtas = 512;/' "kFusedMinCtas = 512;";; esac
   case $v in nocomb) patch_or_die "$d/probe_kernel.cu" 's/  if (partials) ATLAS_RETURN_IF_ERROR(launch_combine(pb, stream));/  (void)partials;   \/\/ nocomb/' "nocomb";; esac
   case $v in cl1) patch_or_die "$d/probe_kernel.cu" 's/smem_bytes<HD, FP8, M_TILES>()/((size_t)120 * 1024)/g' "(size_t)120 \* 1024";; esac
   case $v in ch4fp8) patch_or_die "$d/probe_kernel.cu" 's/constexpr int kChains = M_TILES == 1 ? (FP8 ? 2 : 4) : 1;/constexpr int kChains = M_TILES == 1 ? 4 : 1;/' "M_TILES == 1 ? 4 : 1;";; esac
