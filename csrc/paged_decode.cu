@@ -202,7 +202,7 @@
 //       softmax bookkeeping, the P round trip through smem, the pipeline step) is paid per 16 KB,
 //       not per 8 KB; a warp owns 16 score columns as two n8 tiles (2 chains each, the same 4
 //       accumulator chains per warp); FP8 splits are whole 64-position tiles (paged_decode_split's
-//       tile argument: FP8 chunks are multiples of 64, so FP8 bits change, as a function of L
+//       tile template argument: FP8 chunks are multiples of 64, so FP8 bits change, as a function of L
 //       alone). 3 stages, 2 CTAs per SM (was 4 stages, 3 CTAs: the same 192 KB in flight per
 //       SM). BF16 unchanged in bits. H200 (session 32, probe v22 → v23): fp8 B = 1 × 1K 7.57 →
 //       6.79 µs, × 8K 11.61 → 10.02, 24/4 12.43 → 10.89, × 32K 17.27 → 16.31; B = 8 × 8K 26.5 →
@@ -289,8 +289,14 @@ struct Problem {
   int fold;            // 1: fused mode (the CTA's group folded in registers); 0: split mode (a partial
                        // per split, whatever splits_per_cta)
   int warm_early;      // 1: the grid is one wave → warm L2 with the prologue tiles before pdl_wait (v7)
-  int split_tile;      // paged_decode_tile_n(FP8): splits are whole tiles of the cache dtype (the combines')
 };
+
+// A sequence's split count for the combines, which know the cache dtype (the split tile) only
+// from the Args.
+__device__ __forceinline__ int split_count(const Problem& pb, int seq_len) {
+  return pb.a.kv_dtype == DType::kE4M3 ? paged_decode_split<paged_decode_tile_n(true)>(seq_len, pb.split_cap).count
+                                       : paged_decode_split<paged_decode_tile_n(false)>(seq_len, pb.split_cap).count;
+}
 
 // ---- PTX wrappers ---------------------------------------------------------------------------
 
@@ -618,7 +624,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   //    start long after the previous kernel and would only add the two round trips.
   if (pb.warm_early) {
     const int len = min(max(__ldcg(a.seq_lens + b), 0), capacity);
-    const PagedDecodeSplit sp = paged_decode_split(len, pb.split_cap, paged_decode_tile_n(FP8));
+    const PagedDecodeSplit sp = paged_decode_split<paged_decode_tile_n(FP8)>(len, pb.split_cap);
     const int first = unit * pb.splits_per_cta, which = tid % kThreadsPerRow;   // 0: K row, 1: V row
     if (first < sp.count && which < 2) {
       const int begin = first * sp.chunk;
@@ -741,7 +747,7 @@ paged_decode_kernel(const __grid_constant__ Problem pb) {
   load_q(0);
 
   const int seq_len = min(max(a.seq_lens[b], 0), capacity);
-  const PagedDecodeSplit plan = paged_decode_split(seq_len, pb.split_cap, paged_decode_tile_n(FP8));
+  const PagedDecodeSplit plan = paged_decode_split<paged_decode_tile_n(FP8)>(seq_len, pb.split_cap);
   const int first_split = unit * pb.splits_per_cta;
   if (first_split >= plan.count) return;                       // whole CTA: no barrier skipped
   const int last_split = min(first_split + pb.splits_per_cta, plan.count);  // exclusive
@@ -1313,7 +1319,7 @@ paged_decode_combine_groups_kernel(const __grid_constant__ Problem pb) {
   unsigned short gate_c = 0;
   if (gate != nullptr && threadIdx.x < kGcCols)
     gate_c = __ldcg(reinterpret_cast<const unsigned short*>(gate) + col0 + threadIdx.x);
-  const int count = paged_decode_split(seq_len, pb.split_cap, pb.split_tile).count;
+  const int count = split_count(pb, seq_len);
   if (count <= 1) {                             // the attention kernel wrote out (whole CTA)
     pdl_wait();                                 // (every CTA waits: the grid's end implies the attention's)
     pdl_launch_dependents();
@@ -1433,7 +1439,7 @@ paged_decode_combine_flat_kernel(const __grid_constant__ Problem pb) {
     const int gr = e0 / hd;
     prefetch_l2(gate_row(a, b, row_head(pb, kvh, gr)) + e0 % hd);
   }
-  const int count = paged_decode_split(seq_len, pb.split_cap, pb.split_tile).count;
+  const int count = split_count(pb, seq_len);
   const int groups = (count + kSplitGroup - 1) / kSplitGroup;
   // count ≤ 1, or a fused sequence of one group: the attention kernel wrote out (see there)
   if (count <= 1 || (kFused && groups <= 1) || e0 >= pb.rows_total * hd) {
@@ -1622,7 +1628,7 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   // gained 0.3–0.5 µs from it and 256 (× 32K) 1.4.
   const int capacity = pb.a.max_blocks * pb.a.block_size;
   const bool long_splits =
-      paged_decode_split(capacity, pb.split_cap, pb.split_tile).chunk >= kPagedDecodeMinSplitLen;
+      paged_decode_split<paged_decode_tile_n(FP8)>(capacity, pb.split_cap).chunk >= kPagedDecodeMinSplitLen;
   p.warm_early = !FP8 && long_splits && grid_ctas(grid) <= resident && 2 * grid_ctas(grid) > sms ? 1 : 0;
   return launch_pdl(kernel, grid, dim3(kThreads), smem, stream, p);   // see pdl_wait in the kernel
 }
@@ -1684,8 +1690,7 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& args, cudaStream_t stream
   pb.div_bs = fast_div(a.block_size);
   pb.div_group = fast_div(pb.group);
   pb.split_cap = paged_decode_split_cap(a.num_kv_heads);
-  pb.split_tile = paged_decode_tile_n(fp8);
-  pb.block_rows = a.block_size % (pb.split_tile / kWarps) == 0 ? 1 : 0;
+  pb.block_rows = a.block_size % (paged_decode_tile_n(fp8) / kWarps) == 0 ? 1 : 0;
   pb.score_mult = a.softmax_scale * kLog2e;
   const int m_tiles = (min(pb.rows_total, kMaxRows) + 15) / 16;
   // Fused mode (one CTA per group of kSplitGroup splits, folded in registers: partial-O traffic

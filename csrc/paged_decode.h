@@ -91,12 +91,15 @@ __host__ __device__ inline int paged_decode_nominal_splits(int64_t len, int cap)
 // KV positions per shared-memory tile of a cache dtype.
 __host__ __device__ constexpr int paged_decode_tile_n(bool fp8) { return fp8 ? kPagedDecodeTileNFp8 : kPagedDecodeTileN; }
 
-// The splits of a sequence of seq_len tokens, for tiles of `tile` positions (paged_decode_tile_n).
-__host__ __device__ inline PagedDecodeSplit paged_decode_split(int seq_len, int cap, int tile) {
+// The splits of a sequence of seq_len tokens, for KV tiles of kTile positions (paged_decode_tile_n
+// of the cache dtype; a template argument: as a runtime one, even a constant after inlining, it
+// moved ptxas' register allocation of the BF16 kernels, +16 SASS instructions and ≈ +1% at B = 1).
+template <int kTile>
+__host__ __device__ inline PagedDecodeSplit paged_decode_split(int seq_len, int cap) {
   const int len = seq_len > 0 ? seq_len : 0;
   const int nominal = paged_decode_nominal_splits(len, cap);
   const int per = ((len > 0 ? len : 1) + nominal - 1) / nominal;
-  const int chunk = (per + tile - 1) / tile * tile;
+  const int chunk = (per + kTile - 1) / kTile * kTile;
   const int count = len > 0 ? (len + chunk - 1) / chunk : 1;
   return {chunk, count};
 }
