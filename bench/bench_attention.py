@@ -17,7 +17,8 @@ Implementations, all fed the same shapes:
                   around queued runs. Only when `import flashinfer` works (the lead installs it
                   from shared/peers/wheels with PYTHONPATH; see shared/peers/README.md).
 L2: every implementation rotates over n input sets (own pages / own contiguous copies), n from
-bench/common.rotation_count, so each call reads device memory. KV bytes = B·L·nkv·hd·2·elem
+bench/common.rotation_count, so each call reads device memory. A graph chains max(n, 16) calls
+(the sets cycled), so its launch is amortized as in a decode step's graph. KV bytes = B·L·nkv·hd·2·elem
 (+ fp8 scales B·L·nkv·2·4 for atlas). Writes bench/results/bench_attention.{md,json,png}.
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ BATCHES = [1, 8, 32, 128]
 LENGTHS = [1024, 8192, 32768]
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 MAX_SETS = 64
+CALLS_PER_GRAPH = 16            # chained calls per captured graph (sets cycled), like bench_attention_layer
 
 
 def kv_bytes(b, n, nkv, dtype, scales=False):
@@ -87,7 +89,11 @@ class Point:
 
 
 def time_graph(fn, sets, iters):
-    calls = min(max(sets, 4), MAX_SETS)
+    """µs per call, CALLS_PER_GRAPH (or `sets`, if more) calls cycling the sets in one graph, as a
+    decode step's graph chains its layers' calls: the graph launch is amortized. (Until session 33
+    it was max(sets, 4) calls: the points with 1–4 sets — B = 1 × 32K, B ≥ 8 × 8K — carried a
+    quarter of a graph launch each, ≈ 2.5 µs at B = 1 × 32K against the probe's 20-call chain.)"""
+    calls = min(max(sets, CALLS_PER_GRAPH), MAX_SETS)
     return time_cuda_graph(fn, warmup=3, iters=iters, calls_per_graph=calls)
 
 

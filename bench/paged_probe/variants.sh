@@ -56,6 +56,15 @@
 #           one-wave L2 warm-up keeps its 256-position gate)
 #   fp8qreg FP8 with Q in registers (QREG, 2 CTAs per SM) at every grid size, not only where its
 #           grid needs no more rounds of resident CTAs than the 3-CTA instance (session 28: worse)
+#   hot     base built with -DPROBE_HOT: one copy of the KV, so every call reads the same bytes (L2-
+#           resident where they fit in the L2: fp8 B = 1 × 32K 34 MB, bf16 B = 1 × 8K 17 MB): does
+#           a B = 1 call wait on DRAM or on its own tile chain? (session 33)
+#   halfcopy (timing only, wrong output) the one-row-tile copy loop issues half of each warp's rows: what the
+#           copy issue (≈ 150 of a bf16 tile's ≈ 384 SASS instructions) costs a chain-bound call (session 33)
+#   nobar2  (timing only, wrong output) the 'P written' CTA barrier dropped: what one barrier per tile costs
+#           (session 33)
+#   pipe    tile_pipeline.patch: the one-row-tile loop software-pipelined, tile t + 1's score MMAs issued
+#           between tile t's P barrier and its P · V (same bits; session 33: ±1% bf16, fp8 +1..2.5%)
 #   prev    the kernel source at $PREV_SRC (e.g. a saved copy of the previous version), with the header
 #           at $PREV_HDR when given (else the current one)
 #   warp    warp_split.patch applied: the ≤ 8-row warp-split kernel of session 29 (2-warp CTAs,
@@ -85,7 +94,7 @@ for v in $VARIANTS; do
     rowblk) pf=row_block.patch;;     bar1) pf=one_barrier.patch;;    rbbar1) pf=row_block_one_barrier.patch;;
     sloop) pf=split_loop.patch;;     chain) pf=tile_chain.patch;;    chainf) pf=tile_chain_fp8ch4.patch;;
     pair) pf=kv_pair.patch;;         cluster|cl1) pf=cluster_fold.patch;;  clspread) pf=cluster_spread.patch;;
-    vstore) pf=vector_store.patch;;
+    vstore) pf=vector_store.patch;;  pipe) pf=tile_pipeline.patch;;
     *) pf=;;
   esac
   if [ -n "$pf" ]; then
@@ -104,6 +113,8 @@ for v in $VARIANTS; do
                      patch_or_die "$d/probe_kernel.cu" 's/\.chunk >= kPagedDecodeMinSplitLen;/.chunk >= 256;/' "chunk >= 256;";; esac
   case $v in emptycomb) patch_or_die "$d/probe_kernel.cu" 's|  if (count <= 1) {                             // the attention kernel wrote out (whole CTA)|  if (true) {   // emptycomb|' "emptycomb"
                        patch_or_die "$d/probe_kernel.cu" 's|  if (count <= 1 \|\| (kFused \&\& groups <= 1) \|\| e0 >= pb.rows_total \* hd) {|  if (true) {   // emptycomb2|' "emptycomb2";; esac
+  case $v in halfcopy) patch_or_die "$d/probe_kernel.cu" '0,/for (int i = 0; i < kRowsPerWarp \/ kRowsPerCopy; ++i) {/s//for (int i = 0; i < kRowsPerWarp \/ kRowsPerCopy \/ 2; ++i) {   \/\/ halfcopy/' "halfcopy";; esac
+  case $v in nobar2) patch_or_die "$d/probe_kernel.cu" 's|    __syncthreads();                            // (P written) P tile complete|    __syncwarp();   // nobar2|' "nobar2";; esac
   case $v in fused512) patch_or_die "$d/probe_kernel.cu" 's/kFusedMinCtas = 256;/kFusedMinCtas = 512;/' "kFusedMinCtas = 512;";; esac
   case $v in nocomb) patch_or_die "$d/probe_kernel.cu" 's/  if (partials) ATLAS_RETURN_IF_ERROR(launch_combine(pb, stream));/  (void)partials;   \/\/ nocomb/' "nocomb";; esac
   case $v in cl1) patch_or_die "$d/probe_kernel.cu" 's/smem_bytes<HD, FP8, M_TILES>()/((size_t)120 * 1024)/g' "(size_t)120 \* 1024";; esac
@@ -111,7 +122,8 @@ for v in $VARIANTS; do
   case $v in fp8qreg) patch_or_die "$d/probe_kernel.cu" 's/if (with_qreg > 0 \&\& without > 0 \&\& (ctas + with_qreg - 1) \/ with_qreg <= (ctas + without - 1) \/ without)/if (with_qreg > 0)/' "if (with_qreg > 0)";; esac
   case $v in s4) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 4;/' "kStages = 4;";; esac
   case $v in *s6) patch_or_die "$d/probe_kernel.cu" 's/kStages = 2 \* kTileBytes >= 32768 ? 3 : 4;/kStages = 2 * kTileBytes >= 32768 ? 6 : 8;/' "? 6 : 8;";; esac
-  nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr -I"$d" -I../../csrc -o "$d/bin" driver.cu "$d/probe_kernel.cu" \
+  extra=; [ "$v" = hot ] && extra=-DPROBE_HOT
+  nvcc -std=c++17 -arch=sm_90 -O3 --expt-relaxed-constexpr $extra -I"$d" -I../../csrc -o "$d/bin" driver.cu "$d/probe_kernel.cu" \
     > "$d/build.log" 2>&1 &
 done
 wait
