@@ -340,9 +340,11 @@ int main(int argc, char** argv) {
       : set == "mid" ? std::vector<Config>{{1, 3000, 16, 2, false},  {1, 8192, 16, 2, false}, {1, 8192, 16, 2, true},
                                            {1, 8192, 24, 4, false},  {1, 8192, 24, 4, true},  {1, 16384, 16, 2, false},
                                            {8, 8192, 16, 2, false},  {8, 8192, 16, 2, true},  {32, 8192, 16, 2, false},
-                                           {32, 8192, 16, 2, true},  {128, 8192, 16, 2, false}, {128, 8192, 16, 2, true}}
+                                           {32, 8192, 16, 2, true},  {128, 8192, 16, 2, false}, {128, 8192, 16, 2, true},
+                                           {8, 8192, 24, 4, false},  {8, 8192, 24, 4, true}}
                      : std::vector<Config>{{1, 32768, 16, 2, false}, {1, 32768, 16, 2, true}, {1, 32768, 24, 4, false},
-                                           {1, 1024, 16, 2, false}, {32, 32768, 16, 2, false}, {32, 32768, 16, 2, true}};
+                                           {1, 1024, 16, 2, false}, {32, 32768, 16, 2, false}, {32, 32768, 16, 2, true},
+                                           {1, 32768, 24, 4, true}};
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   float* sink;
