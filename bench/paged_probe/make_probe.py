@@ -149,8 +149,12 @@ after("    cp_async_commit();                          // empty groups keep the 
       "  probe_stamp(probe_rec, 3);                    // paged_probe: prologue copies issued\n")
 before("  // Fused mode: the canonical level-1 fold of this CTA's splits, in registers.",
        "  probe_stamp(probe_rec, 4);                    // paged_probe: Q staged\n\n")
-before("    cp_async_wait<kStages - 2>();",
-       "    if (tile < kProbeTiles) probe_clock(probe_rec, 24 + 2 * tile);   // paged_probe: tile top\n")
+if "\n    cp_async_wait<kStages - 2>();\n" in src:
+    before("    cp_async_wait<kStages - 2>();",
+           "    if (tile < kProbeTiles) probe_clock(probe_rec, 24 + 2 * tile);   // paged_probe: tile top\n")
+else:   # v25 (TMA): the wait is an mbarrier or cp.async one, chosen per instance
+    after("  auto run_tile = [&](int tile) {",
+          "    if (tile < kProbeTiles) probe_clock(probe_rec, 24 + 2 * tile);   // paged_probe: tile top\n")
 after("                                                // stage (tile − 1) % kStages free again", """\
     if (tile < kProbeTiles) probe_clock(probe_rec, 25 + 2 * tile);   // paged_probe: tile landed
     if (tile == 0) probe_stamp(probe_rec, 5);

@@ -63,6 +63,8 @@
 #           copy issue (≈ 150 of a bf16 tile's ≈ 384 SASS instructions) costs a chain-bound call (session 33)
 #   nobar2  (timing only, wrong output) the 'P written' CTA barrier dropped: what one barrier per tile costs
 #           (session 33)
+#   tma     tma_copy.patch: v25, a warp's tile rows by one TMA box per K / V tile, mbarriers per (stage, warp),
+#           segment-major tile image (session 33: correct, slower everywhere — B = 1 × 8K 11.35 → 13.01 µs)
 #   pipe    tile_pipeline.patch: the one-row-tile loop software-pipelined, tile t + 1's score MMAs issued
 #           between tile t's P barrier and its P · V (same bits; session 33: ±1% bf16, fp8 +1..2.5%)
 #   prev    the kernel source at $PREV_SRC (e.g. a saved copy of the previous version), with the header
@@ -94,7 +96,7 @@ for v in $VARIANTS; do
     rowblk) pf=row_block.patch;;     bar1) pf=one_barrier.patch;;    rbbar1) pf=row_block_one_barrier.patch;;
     sloop) pf=split_loop.patch;;     chain) pf=tile_chain.patch;;    chainf) pf=tile_chain_fp8ch4.patch;;
     pair) pf=kv_pair.patch;;         cluster|cl1) pf=cluster_fold.patch;;  clspread) pf=cluster_spread.patch;;
-    vstore) pf=vector_store.patch;;  pipe) pf=tile_pipeline.patch;;
+    vstore) pf=vector_store.patch;;  pipe) pf=tile_pipeline.patch;;  tma) pf=tma_copy.patch;;
     *) pf=;;
   esac
   if [ -n "$pf" ]; then
