@@ -1621,7 +1621,8 @@ cudaError_t launch_instance(const Problem& pb, cudaStream_t stream) {
   // alone: the same test in the kernel, on the sequence's own length, cost B = 32 × 32K 1.5%
   // with the warm-up off there). BF16 only (v17): FP8's prologue tiles are half the bytes, and
   // the warm-up never paid for them — session 30 probe (two runs, µs on → off): B = 1 × 8K 16/2
-  // 14.3 → 13.4, 24/4 14.5 → 13.8, B = 8 × 8K 31.4 → 31.0; B = 1 × 32K 19.8 either way. And
+  // 14.3 → 13.4, 24/4 14.5 → 13.8, B = 8 × 8K 31.4 → 31.0; B = 1 × 32K 19.8 either way; still so
+  // with v23's 64-position FP8 tiles (session 33, off → on: 24/4 B = 1 × 8K 10.89 → 11.86). And
   // (v19) only for grids over more than half the SMs: below that DRAM is far from busy, so an
   // early prefetch buys nothing and its block-id round trip before the wait is pure latency —
   // B = 1 × 8K 16/2 (64 CTAs) 13.17 → 12.87 µs without it, while 128 CTAs (24/4 × 8K, × 16K)
