@@ -1,30 +1,29 @@
-// read_floor: what one launch costs at the least — a kernel that does nothing but read n bytes
-// from DRAM, launched the way atlas's kernels are (programmatic dependent launch: wait for the
-// previous grid, then trigger the next), chained in a CUDA graph and graph-replayed. Its time per
-// launch is the lower bound for ANY single kernel that must read those bytes after its
-// predecessor: t(n) ≈ F + n / BW, where F (launch boundary, ramp, DRAM latency, tail) is paid
-// once per dependent launch whatever the kernel does. bench/NOTES.md ("Bare reads") uses it to
-// bound the targets of #3–#6.
+// read_floor: what one launch costs at the least, and what the one-row GEMV's memory stream
+// costs without its math. Torch-free; build and run: bench/read_floor/run.sh. Analysis:
+// bench/NOTES.md, "Bare reads" and w4a16_gemv "Session 34".
 //
-//   read_floor               (torch-free; build: bench/read_floor/run.sh)
-//
-// Then the GEMV question (bench/NOTES.md w4a16_gemv, session 34): the one-row GEMV's access
-// pattern read bare — each CTA one 16-row tile of the chunk-major tiled layout ([K/128][N][64 B]
-// packed, [K/128][N][8 B] scales), warp w its K segment w of S, per chunk 1 KB + 128 B — with D
-// chunks' loads in flight per warp (issued together, then consumed), D = 2 (the GEMV's ring: two
-// chunks ahead), 4, 8, 16. If D = 2 reads like the GEMV's memory stream (gemv_probe nocompute)
-// and larger D like the bare read, the ring depth is the gap; if every D stays above, the
-// pattern or the grid is.
-//
-// Per size: launches r = 0 .. reps − 1 read disjoint windows of one 2 GiB pool (reps · n ≥ 4 ×
-// the L2, so every launch reads DRAM), 16-byte streaming loads, 4 in flight per thread; the best
-// of four grids (SMs × {1, 2, 4, 8} CTAs of 512 threads). Printed:
-// MB, µs per launch (median of 7 graph replays), GB/s, and the same without PDL. Then the fit
-// F + n / BW over the sizes ≥ 8 MB.
+// Every launch below is made the way atlas's kernels are (programmatic dependent launch: wait for
+// the previous grid, then trigger the next), chained in a CUDA graph (graph_us: median of 7
+// replays / launches), each launch on its own window of one 2 GiB pool with reps · window ≥ 4 ×
+// the L2, so every launch reads DRAM. Tables, in order:
+//   1. bare reads   read_pdl over n bytes (16-byte streaming loads, 4 in flight per thread), the
+//                   best of four grids (SMs × {1, 2, 4, 8} CTAs of 512 threads): the lower bound
+//                   for ANY kernel that must read those bytes after its predecessor, t(n) ≈ F +
+//                   n / BW with F (launch boundary, ramp, DRAM latency, tail) paid once per
+//                   dependent launch. Also without PDL. The fit F + n / BW over n ≥ 8 MB closes
+//                   the output.
+//   2. tiled pattern  the one-row GEMV's bytes read its way (bench_gemv's M = 1 shapes): a CTA
+//                   per 16-row tile of the chunk-major tiled layout ([K/128][N][64 B] packed,
+//                   [K/128][N][8 B] scales), warp w its K segment w of S, per chunk 1 KB + 128 B;
+//                   read_tiled<D>: D chunks' loads in flight per warp (issued together, then
+//                   consumed); read_tiled_ring: the GEMV's own machinery minus its math — a
+//                   per-warp cp.async ring (with / without the .L2::256B prefetch size), then the
+//                   CTA's activations staged first, then the warp-split epilogue too.
+//   3. ring study   27B o and down through rings of 2–5 stages, batch refills, no scale copies.
 #include <cuda_runtime.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <vector>
 
@@ -175,19 +174,34 @@ __global__ void read_tiled_ring(const uint8_t* __restrict__ packed, const uint8_
   }
 }
 
-// One launch of read_pdl over n16 units at p (PDL edge to the previous launch when pdl).
-static void launch(cudaStream_t s, bool pdl, int grid, const uint4* p, size_t n16, float* sink) {
+// One launch of kern<<<grid, block, smem, s>>>(args...), with a PDL edge to the previous launch
+// when pdl.
+template <typename... KArgs, typename... Args>
+static void launch(cudaStream_t s, bool pdl, int grid, int block, int smem, void (*kern)(KArgs...), Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(512);
+  cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  CK(cudaLaunchKernelEx(&cfg, read_pdl, p, n16, sink));
+  CK(cudaLaunchKernelEx(&cfg, kern, static_cast<KArgs>(args)...));
 }
+
+// The DRAM windows of a launch reading n bytes: reps launches per graph on windows r % slots.
+struct Windows {
+  size_t window, slots;
+  int reps;
+  Windows(size_t n, size_t pool_bytes, int l2) {
+    window = n < 4096 ? 4096 : (n + 4095) / 4096 * 4096;
+    const int want = int((4 * size_t(l2) + window - 1) / window);   // ≥ 4 × L2 per graph
+    reps = want < 16 ? 16 : (want > 512 ? 512 : want);
+    slots = pool_bytes / window;
+  }
+};
 
 int main() {
   int dev = 0, sms = 0, l2 = 0;
@@ -198,16 +212,36 @@ int main() {
   CK(cudaGetDeviceProperties(&prop, dev));
   const size_t pool_bytes = size_t(2) << 30;
   uint8_t* pool;
-  float* sink;
+  float* sink;     // [1]: written only on an impossible value
+  float* out_rows; // [≤ 16 M] the ring epilogue's row sums
+  uint4* xbuf;     // [4096] the activations (L2-resident: every CTA reads the same)
   CK(cudaMalloc(&pool, pool_bytes));
   CK(cudaMalloc(&sink, 4));
+  CK(cudaMalloc(&out_rows, 64 << 20));
+  CK(cudaMalloc(&xbuf, 64 << 10));
+  CK(cudaMemset(xbuf, 0, 64 << 10));
   fill_bytes<<<sms * 8, 512>>>(pool, pool_bytes, 7u);
   CK(cudaDeviceSynchronize());
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  // µs per launch of `launch_at(window base)`, over w's windows
+  auto time_windows = [&](const Windows& w, auto launch_at) {
+    return graph_us(s, w.reps, [&](int r) { launch_at(pool + (size_t(r) % w.slots) * w.window); });
+  };
+  // the best bare read of n bytes over the four grids (and that grid)
+  auto bare_read = [&](size_t n, const Windows& w, int* grid_out) {
+    float best = 1e30f;
+    for (int mult : {1, 2, 4, 8}) {
+      const float us = time_windows(w, [&](const uint8_t* base) {
+        launch(s, true, sms * mult, 512, 0, read_pdl, reinterpret_cast<const uint4*>(base), n / 16, sink);
+      });
+      if (us < best) { best = us; if (grid_out) *grid_out = sms * mult; }
+    }
+    return best;
+  };
 
-  // The byte counts of the targets' kernels (MB = 1e6 B): GEMV weights + scales (bench_gemv), one
-  // layer's KV at B = 1 (bench_attention), then round sizes for the fit.
+  // 1. bare reads: the byte counts of the targets' kernels (MB = 1e6 B) — GEMV weights + scales
+  // (bench_gemv), one layer's KV at B = 1 (bench_attention) — and round sizes for the fit
   const double sizes_mb[] = {0.0, 0.295, 0.59, 1.18, 2.36, 4.72, 8.52, 9.44, 16.78, 17.7, 34.08,
                              41.3, 50.1, 67.1, 100.3, 134.2, 286.1};
   printf("# read_floor · gpu: %s (%d SMs, L2 %d MB) · µs per launch, graph-replayed, DRAM-cold\n",
@@ -215,153 +249,71 @@ int main() {
   printf("| MB | grid | us | GBps | us_no_pdl |\n|---|---|---|---|---|\n");
   std::vector<double> fx, fy;
   for (double mb : sizes_mb) {
-    const size_t n = size_t(mb * 1e6) / 16 * 16, n16 = n / 16;
-    // reps · window ≥ 4 × L2 so no launch finds its window in L2 (capped at 512 launches)
-    const size_t window = n < 4096 ? 4096 : (n + 4095) / 4096 * 4096;
-    int reps = int((4 * size_t(l2) + window - 1) / window);
-    reps = reps < 16 ? 16 : (reps > 512 ? 512 : reps);
-    const size_t slots = pool_bytes / window;
-    float best = 1e30f, best_nopdl = 0.f;
-    int best_grid = 0;
-    for (int mult : {1, 2, 4, 8}) {
-      const int grid = sms * mult;
-      auto rep = [&](bool pdl) {
-        return [&, pdl](int r) {
-          launch(s, pdl, grid, reinterpret_cast<const uint4*>(pool + (size_t(r) % slots) * window), n16, sink);
-        };
-      };
-      const float us = graph_us(s, reps, rep(true));
-      if (us < best) {
-        best = us;
-        best_grid = grid;
-        best_nopdl = graph_us(s, reps, rep(false));
-      }
-    }
-    printf("| %.3g | %d | %.2f | %.0f | %.2f |\n", mb, best_grid, best, n / (best * 1e-6) / 1e9, best_nopdl);
-    if (mb >= 8.0) { fx.push_back(n / 1e6); fy.push_back(best); }
+    const size_t n = size_t(mb * 1e6) / 16 * 16;
+    const Windows w(n, pool_bytes, l2);
+    int grid = 0;
+    const float us = bare_read(n, w, &grid);
+    const float us_nopdl = time_windows(w, [&](const uint8_t* base) {
+      launch(s, false, grid, 512, 0, read_pdl, reinterpret_cast<const uint4*>(base), n / 16, sink);
+    });
+    printf("| %.3g | %d | %.2f | %.0f | %.2f |\n", mb, grid, us, n / (us * 1e-6) / 1e9, us_nopdl);
+    if (mb >= 8.0) { fx.push_back(n / 1e6); fy.push_back(us); }
   }
-  // the GEMV shapes (bench_gemv, M = 1): N, K, warps per tile (the one-row kernel's warp split)
+
+  // 2. the GEMV shapes (bench_gemv, M = 1): N, K, warps per tile (the one-row kernel's warp split)
   struct Shape { const char* name; int n, k, s; };
   const Shape shapes[] = {{"35B o 2048x4096", 2048, 4096, 8},        {"35B q+g+k+v 9216x2048", 9216, 2048, 4},
                           {"27B o 5120x6144", 5120, 6144, 8},        {"27B q+g+k+v 14336x5120", 14336, 5120, 4},
                           {"27B down 5120x17408", 5120, 17408, 8},   {"27B gate_up 34816x5120", 34816, 5120, 4}};
-  float* out_rows;
-  uint4* xbuf;
-  CK(cudaMalloc(&out_rows, 64 << 20));
-  CK(cudaMalloc(&xbuf, 64 << 10));
-  CK(cudaMemset(xbuf, 0, 64 << 10));
+  using RingKernel = void (*)(const uint8_t*, const uint8_t*, int, int, const uint4*, int, float*);
+  // µs of a tiled-pattern kernel over shape sh (packed then scales in each window)
+  auto time_tiled = [&](const Shape& sh, const Windows& w, auto kern, int smem, auto... tail) {
+    const size_t pb = size_t(sh.n) * sh.k / 2;
+    const int cpw = sh.k / 128 / sh.s;
+    if (smem > 0) CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return time_windows(w, [&](const uint8_t* base) {
+      launch(s, true, sh.n / 16, 32 * sh.s, smem, kern, base, base + pb, sh.n, cpw, tail...);
+    });
+  };
   printf("\n| tiled pattern | MB | bare_us | D2_us | D4_us | D8_us | D16_us | ring_us | ring_nohint_us | ring_x_us | ring_x_epi_us |\n"
          "|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& sh : shapes) {
-    const size_t pb = size_t(sh.n) * sh.k / 2, sb = size_t(sh.n) * sh.k / 16, n = pb + sb;
-    const size_t window = (n + 4095) / 4096 * 4096;
-    int reps = int((4 * size_t(l2) + window - 1) / window);
-    reps = reps < 16 ? 16 : (reps > 512 ? 512 : reps);
-    const size_t slots = pool_bytes / window;
-    const int chunks = sh.k / 128, cpw = chunks / sh.s, tiles = sh.n / 16;
-    float bare = 1e30f;
-    for (int mult : {1, 2, 4, 8}) {
-      bare = std::min(bare, graph_us(s, reps, [&](int r) {
-        launch(s, true, sms * mult, reinterpret_cast<const uint4*>(pool + (size_t(r) % slots) * window), n / 16, sink);
-      }));
-    }
-    float d_us[4];
-    int di = 0;
-    for (int d : {2, 4, 8, 16}) {
-      auto kern = d == 2 ? read_tiled<2> : d == 4 ? read_tiled<4> : d == 8 ? read_tiled<8> : read_tiled<16>;
-      d_us[di++] = graph_us(s, reps, [&](int r) {
-        const uint8_t* base = pool + (size_t(r) % slots) * window;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(tiles);
-        cfg.blockDim = dim3(32 * sh.s);
-        cfg.stream = s;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        CK(cudaLaunchKernelEx(&cfg, kern, base, base + pb, sh.n, cpw, sink));
-      });
-    }
+    const size_t n = size_t(sh.n) * sh.k / 2 + size_t(sh.n) * sh.k / 16;
+    const Windows w(n, pool_bytes, l2);
+    const float bare = bare_read(n, w, nullptr);
+    const float d_us[4] = {time_tiled(sh, w, read_tiled<2>, 0, sink), time_tiled(sh, w, read_tiled<4>, 0, sink),
+                           time_tiled(sh, w, read_tiled<8>, 0, sink), time_tiled(sh, w, read_tiled<16>, 0, sink)};
     // the ring variants: x = the CTA's K range (warp split: all of K), as the one-row kernel stages
-    const int x_units = sh.k * 2 / 16;
+    const int x_units = sh.k * 2 / 16, ring_smem = sh.s * 3 * 1152, x_smem = x_units * 16 + ring_smem;
+    const RingKernel rings[4] = {read_tiled_ring<true, false, false>, read_tiled_ring<false, false, false>,
+                                 read_tiled_ring<true, true, false>, read_tiled_ring<true, true, true>};
     float r_us[4];
-    int ri = 0;
-    for (int v = 0; v < 4; ++v) {
-      auto kern = v == 0 ? read_tiled_ring<true, false, false> : v == 1 ? read_tiled_ring<false, false, false>
-                : v == 2 ? read_tiled_ring<true, true, false> : read_tiled_ring<true, true, true>;
-      const int smem_bytes = (v >= 2 ? x_units * 16 : 0) + sh.s * 3 * 1152;
-      CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-      r_us[ri++] = graph_us(s, reps, [&](int r) {
-        const uint8_t* base = pool + (size_t(r) % slots) * window;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(tiles);
-        cfg.blockDim = dim3(32 * sh.s);
-        cfg.dynamicSmemBytes = smem_bytes;
-        cfg.stream = s;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        CK(cudaLaunchKernelEx(&cfg, kern, base, base + pb, sh.n, cpw, (const uint4*)xbuf, x_units, out_rows));
-      });
-    }
+    for (int v = 0; v < 4; ++v)
+      r_us[v] = time_tiled(sh, w, rings[v], v >= 2 ? x_smem : ring_smem, (const uint4*)xbuf, x_units, out_rows);
     printf("| %s | %.3g | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", sh.name, n / 1e6, bare,
            d_us[0], d_us[1], d_us[2], d_us[3], r_us[0], r_us[1], r_us[2], r_us[3]);
   }
-  // ring study (27B o, 27B down): what makes the cp.async ring slower than read_tiled<2> at long K
+
+  // 3. ring study (27B o, 27B down): what makes the cp.async ring slower than read_tiled<2> at long K
   printf("\n| ring study | D2_us | ring3 | ring2 | ring4 | ring5 | batch3 | batch5 | ring3_noscale |\n|---|---|---|---|---|---|---|---|---|\n");
+  const RingKernel study[] = {read_tiled_ring<false, false, false, 3>, read_tiled_ring<false, false, false, 2>,
+                              read_tiled_ring<false, false, false, 4>, read_tiled_ring<false, false, false, 5>,
+                              read_tiled_ring<false, false, false, 3, true>, read_tiled_ring<false, false, false, 5, true>,
+                              read_tiled_ring<false, false, false, 3, false, false>};
+  const int depth[] = {3, 2, 4, 5, 3, 5, 3};
   for (const Shape& sh : shapes) {
     if (sh.n != 5120) continue;
-    const size_t pb = size_t(sh.n) * sh.k / 2, sb = size_t(sh.n) * sh.k / 16, n = pb + sb;
-    const size_t window = (n + 4095) / 4096 * 4096;
-    int reps = int((4 * size_t(l2) + window - 1) / window);
-    reps = reps < 16 ? 16 : (reps > 512 ? 512 : reps);
-    const size_t slots = pool_bytes / window;
-    const int chunks = sh.k / 128, cpw = chunks / sh.s, tiles = sh.n / 16;
-    using KernT = void (*)(const uint8_t*, const uint8_t*, int, int, const uint4*, int, float*);
-    const KernT kerns[] = {read_tiled_ring<false, false, false, 3>, read_tiled_ring<false, false, false, 2>,
-                           read_tiled_ring<false, false, false, 4>, read_tiled_ring<false, false, false, 5>,
-                           read_tiled_ring<false, false, false, 3, true>, read_tiled_ring<false, false, false, 5, true>,
-                           read_tiled_ring<false, false, false, 3, false, false>};
-    const int depth[] = {3, 2, 4, 5, 3, 5, 3};
+    const size_t n = size_t(sh.n) * sh.k / 2 + size_t(sh.n) * sh.k / 16;
+    const Windows w(n, pool_bytes, l2);
     float us[8];
-    us[0] = graph_us(s, reps, [&](int r) {
-      const uint8_t* base = pool + (size_t(r) % slots) * window;
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(tiles);
-      cfg.blockDim = dim3(32 * sh.s);
-      cfg.stream = s;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      CK(cudaLaunchKernelEx(&cfg, read_tiled<2>, base, base + pb, sh.n, cpw, sink));
-    });
-    for (int v = 0; v < 7; ++v) {
-      const int smem_bytes = sh.s * depth[v] * 1152;
-      CK(cudaFuncSetAttribute(kerns[v], cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-      us[v + 1] = graph_us(s, reps, [&](int r) {
-        const uint8_t* base = pool + (size_t(r) % slots) * window;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(tiles);
-        cfg.blockDim = dim3(32 * sh.s);
-        cfg.dynamicSmemBytes = smem_bytes;
-        cfg.stream = s;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        CK(cudaLaunchKernelEx(&cfg, kerns[v], base, base + pb, sh.n, cpw, (const uint4*)xbuf, 0, out_rows));
-      });
-    }
+    us[0] = time_tiled(sh, w, read_tiled<2>, 0, sink);
+    for (int v = 0; v < 7; ++v)
+      us[v + 1] = time_tiled(sh, w, study[v], sh.s * depth[v] * 1152, (const uint4*)xbuf, 0, out_rows);
     printf("| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", sh.name, us[0], us[1], us[2], us[3], us[4],
            us[5], us[6], us[7]);
   }
-  // least squares us = F + MB · (1 / BW)
+
+  // least squares us = F + MB · (1 / BW) over table 1's sizes ≥ 8 MB
   double sx = 0, sy = 0, sxx = 0, sxy = 0;
   const double k = double(fx.size());
   for (size_t i = 0; i < fx.size(); ++i) { sx += fx[i]; sy += fy[i]; sxx += fx[i] * fx[i]; sxy += fx[i] * fy[i]; }
@@ -369,5 +321,7 @@ int main() {
   printf("\nfit over >= 8 MB: us = %.2f + MB / %.0f GB/s\n", icpt, 1e3 / slope);
   CK(cudaFree(pool));
   CK(cudaFree(sink));
+  CK(cudaFree(out_rows));
+  CK(cudaFree(xbuf));
   return 0;
 }
