@@ -10,13 +10,14 @@
 #   nohint              no .L2::256B prefetch size on any GEMV cp.async (common/nvfp4_mma.cuh): the
 #                       tiled layout's warp chunk is 1 KB contiguous, so the hint only re-asks L2 for
 #                       lines the same instruction requests (session 34: bench/read_floor's ring
-#                       read 5–7% faster without it)
+#                       read 5–7% faster without it). Measured in the kernel: within ±1% (not kept)
 #   nohintw / nohints   the hint dropped from the 16-byte weight copies only / the 8-byte scale copies only
 #   ring4 / ring5       the one-row kernel's ring 4 / 5 chunks deep (kStagesM1; 3 since v3.11): bench/read_floor's
 #                       ring study (session 34) read 27B down's bytes in 16.4 µs through a 3-deep ring,
-#                       13.4 through 4, 12.6 through 5 (the bare read: 12.5)
+#                       13.4 through 4, 12.6 through 5 (the bare read: 12.5). Measured in the kernel:
+#                       slower on every shape (down 19.7 → 20.5 / 21.6; not kept)
 #   evict               weight copies with an L2 evict-first policy (the immediate descriptor
-#                       paged_decode's KV copies use) instead of the prefetch size
+#                       paged_decode's KV copies use) instead of the prefetch size: within ±1% (not kept)
 # Usage: VARIANTS="base epi epif" M=1 RUNS=2 bash bench/gemv_probe/variants.sh
 set -uo pipefail
 cd "$(dirname "$0")"
