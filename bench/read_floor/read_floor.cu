@@ -144,18 +144,18 @@ __global__ void read_tiled_ring(const uint8_t* __restrict__ packed, const uint8_
         if (c + kStages - 1 + d < cpw) issue(ring + d * kStage);
       asm volatile("cp.async.commit_group;\n" ::);
     }
-    cpw = 0;   // the sliding loop below is skipped
-  }
-  for (int c = 0; c < cpw; ++c) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2));
-    __syncwarp();
-    if (c + kStages - 1 < cpw) issue(fill);
-    asm volatile("cp.async.commit_group;\n" ::);
-    uint32_t v;
-    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(cur + lane * 16));
-    acc ^= v;
-    fill = cur;
-    cur = cur + kStage == ring + kStages * kStage ? ring : cur + kStage;
+  } else {   // one chunk issued per landed chunk (the GEMV's ring)
+    for (int c = 0; c < cpw; ++c) {
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2));
+      __syncwarp();
+      if (c + kStages - 1 < cpw) issue(fill);
+      asm volatile("cp.async.commit_group;\n" ::);
+      uint32_t v;
+      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(cur + lane * 16));
+      acc ^= v;
+      fill = cur;
+      cur = cur + kStage == ring + kStages * kStage ? ring : cur + kStage;
+    }
   }
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   if constexpr (kEpi) {
