@@ -1407,3 +1407,66 @@ def _moe_experts_kernel(x: Tensor, ids: Tensor, weights: Tensor, gate: Tensor, g
 def _(x, ids, weights, gate, gate_scale, gate_gs, up, up_scale, up_gs, down, down_scale, down_gs, shared, shared_gate,
       out_bf16):
     return x.new_empty(x.shape, dtype=torch.bfloat16 if out_bf16 else torch.float32)
+
+
+# ---- l2_prefetch (MTP work) -----------------------------------------------------------------
+
+L2_PREFETCH_MAX_REGIONS = 8  # atlas::kL2PrefetchMaxRegions (csrc/l2_prefetch.h)
+
+
+def _strided_runs(op: str, name: str, t: Tensor) -> tuple[int, int, int]:
+    """(run_bytes, stride_bytes, runs) of a view whose bytes are equal contiguous runs at one
+    stride (a contiguous tensor: one run; a row prefix of a chunk-major weight: one per chunk)."""
+    dims = sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s > 1), key=lambda d: d[1])
+    run = 1                                     # elements per contiguous run
+    while dims and dims[0][1] == run:
+        run *= dims.pop(0)[0]
+    if len(dims) > 1:
+        raise ValueError(f"{op}: {name} must be one contiguous run or equal runs at one stride, got shape "
+                         f"{list(t.shape)} strides {t.stride()}")
+    item = t.element_size()
+    runs, stride = dims[0] if dims else (1, run)
+    return run * item, stride * item, runs
+
+
+def l2_prefetch(*views: Tensor, blocks: int = 64, evict_last: bool = True) -> None:
+    """Start streaming the bytes of `views` from device memory into L2; returns at once.
+
+    A hint with no result and no effect on memory: a later kernel reading these bytes finds
+    them in L2 if they are still there. Launched on the current stream (fork a stream to run it
+    beside other kernels, as MtpHead does for its LM head's first rows). On the CPU a no-op.
+    Not a torch custom op: it has no output for torch.compile to keep (call it eagerly or under
+    stream capture).
+
+    Args:
+        views: 1..8 tensors on one CUDA device, each one contiguous run of bytes or equal runs
+            at one stride (e.g. `packed[:rows]` of a chunk-major weight), with the start, the
+            run and the stride multiples of 16 bytes.
+        blocks: each run is cut into this many pieces, issued block-major over all runs (so a
+            prefix of every run lands first), 1..2^20.
+        evict_last: mark the lines evict_last (kept over lines read with the normal policy).
+    Raises:
+        TypeError: a view is not a tensor. ValueError: count, devices, layout or alignment.
+    Example:
+        >>> l2_prefetch(torch.zeros(4096))   # CPU: nothing to do
+    """
+    op = "l2_prefetch"
+    if not 1 <= len(views) <= L2_PREFETCH_MAX_REGIONS:
+        raise ValueError(f"{op}: takes 1..{L2_PREFETCH_MAX_REGIONS} views, got {len(views)}")
+    if not isinstance(blocks, int) or not 1 <= blocks <= 1 << 20:
+        raise ValueError(f"{op}: blocks must be an int in [1, 2^20], got {blocks!r}")
+    regions = []
+    device = views[0].device if isinstance(views[0], Tensor) else None
+    for i, v in enumerate(views):
+        name = f"views[{i}]"
+        check_tensor(op, name, v, device=device, what="(a tensor on the first view's device)")
+        if v.numel() == 0:
+            raise ValueError(f"{op}: {name} is empty")
+        run_bytes, stride, runs = _strided_runs(op, name, v)
+        if v.data_ptr() % 16 or run_bytes % 16 or stride % 16:
+            raise ValueError(f"{op}: {name} must start, run and stride on 16-byte multiples, got address "
+                             f"% 16 = {v.data_ptr() % 16}, run {run_bytes} B, stride {stride} B")
+        regions.append((v, run_bytes, stride, runs))
+    if use_kernel(*views):
+        _C.l2_prefetch([r[0] for r in regions], [r[1] for r in regions], [r[2] for r in regions],
+                       [r[3] for r in regions], blocks, evict_last)
