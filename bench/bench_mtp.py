@@ -12,7 +12,7 @@ head's format; the LM head is NVFP4 in the NVFP4 rows, BF16 otherwise) + drafter
 LM head 286 MB + 33 MB of layer weights ≈ 319 MB → ≈ 74 µs at 4.3 TB/s.
 Goals: B = 1, k = 1, NVFP4, full vocab within 1.25× of the floor; B = 32 within 2× of B = 1.
 
-Usage: python bench/bench_mtp.py [--quick | --goal | --parts | --prefetch]
+Usage: python bench/bench_mtp.py [--quick | --goal | --parts]
 """
 from __future__ import annotations
 
@@ -160,26 +160,6 @@ def bench_parts(head: MtpHead, b: int, iters: int) -> list[dict]:
     return rows
 
 
-def bench_prefetch(iters: int) -> list[dict]:
-    """The LM-head L2 prefetch's settings (MtpHead._lm_prefetch_*: fork point, bytes as a
-    fraction of L2, evict_last) at 35B-A3B NVFP4 full vocab, k = 1, cold L2 per propose."""
-    head = build("35b-a3b", "nvfp4", 32)
-    l2 = torch.cuda.get_device_properties(head.device).L2_cache_size
-    configs = [(None, 0.0, True)] + [(at, f, True) for at in ("start", "attention", "ffn")
-                                     for f in (0.25, 0.5, 0.75, 1.0)]
-    configs += [("attention", 0.5, False), ("attention", 1.0, False), ("start", 1.0, False)]
-    rows = []
-    for b in (1, 8, 32):
-        for at, frac, last in configs if b == 1 else configs[:1] + configs[1::2]:
-            head._lm_prefetch_at, head._lm_prefetch_bytes, head._lm_prefetch_evict_last = at, int(frac * l2), last
-            head._graphs = {}
-            us, fl = measure(head, b, 1, iters)
-            rows.append(dict(B=b, at=at or "off", MB=round(frac * l2 / 2**20, 1), evict_last=last, us_per_draft=us,
-                             x_floor=us / fl))
-            print(f"B={b} prefetch at {at} {frac:.2f} L2 evict_last={last}: {us:.1f} us/draft", flush=True)
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="35B-A3B NVFP4 full vocab, B ∈ {1, 32}, k = 1 only")
@@ -187,16 +167,8 @@ def main():
                     help="the goal's points only: both models, NVFP4, full vocab, B ∈ {1, 8, 32}, k ∈ {1, 3}")
     ap.add_argument("--parts", action="store_true",
                     help="only the per-launch-group breakdown (35B-A3B NVFP4 full vocab, B ∈ {1, 32})")
-    ap.add_argument("--prefetch", action="store_true",
-                    help="only the LM-head L2 prefetch sweep (35B-A3B NVFP4 full vocab, B ∈ {1, 8, 32}, k = 1)")
     args = ap.parse_args()
     require_cuda("bench_mtp")
-    if args.prefetch:
-        rows = bench_prefetch(iters=20)
-        write_results("bench_mtp_prefetch", rows, meta=dict(context=CONTEXT, note="graph-replayed propose from a "
-                                                            "cold L2; µs per draft position; MB = prefetch bytes"),
-                      columns=["B", "at", "MB", "evict_last", "us_per_draft", "x_floor"])
-        return
     if args.parts:
         head = build("35b-a3b", "nvfp4", 32)
         rows = [r for b in (1, 32) for r in bench_parts(head, b, iters=10)]

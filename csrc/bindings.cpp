@@ -21,7 +21,6 @@
 #include "qk_norm_rope.h"
 #include "rms_norm.h"
 #include "sigmoid_gate.h"
-#include "l2_prefetch.h"
 // (each kernel family adds its header include here)
 
 namespace {
@@ -483,27 +482,6 @@ void sigmoid_gate_mul(const torch::Tensor& x,      // [T, H, hd] bf16 contiguous
   check_cuda(atlas::launch_sigmoid_gate_mul(a, current_stream(x)), "sigmoid_gate_mul");
 }
 
-// -- l2_prefetch (MTP work: the LM head's first rows into L2 during the draft's latency-bound kernels) --
-void l2_prefetch(const std::vector<torch::Tensor>& views,   // region bases (data_ptr of each view)
-                 const std::vector<int64_t>& run_bytes,     // per region: bytes per contiguous run
-                 const std::vector<int64_t>& strides,       // per region: bytes between runs
-                 const std::vector<int64_t>& runs,          // per region: run count
-                 int64_t blocks, bool evict_last) {
-  const size_t n = views.size();
-  TORCH_CHECK(n >= 1 && n <= static_cast<size_t>(atlas::kL2PrefetchMaxRegions) && run_bytes.size() == n &&
-              strides.size() == n && runs.size() == n, "l2_prefetch: 1..8 regions, one (run_bytes, stride, runs) each");
-  TORCH_CHECK(blocks >= 1 && blocks <= (int64_t(1) << 20), "l2_prefetch: blocks must be in [1, 2^20]");
-  atlas::L2PrefetchArgs a{};
-  for (size_t i = 0; i < n; ++i) {
-    CHECK_CUDA_TENSOR(views[i]);
-    TORCH_CHECK(views[i].device() == views[0].device(), "l2_prefetch: every region on one device");
-    a.region[i].base = static_cast<const uint8_t*>(views[i].data_ptr());
-    a.region[i].run_bytes = run_bytes[i]; a.region[i].stride = strides[i]; a.region[i].runs = runs[i];
-  }
-  a.count = static_cast<int>(n); a.blocks = static_cast<int>(blocks); a.evict_last = evict_last;
-  const c10::cuda::CUDAGuard guard(views[0].device());
-  check_cuda(atlas::launch_l2_prefetch(a, current_stream(views[0])), "l2_prefetch");
-}
 
 // -- argmax / moe_route / embedding (MTP work) --
 void argmax(const torch::Tensor& logits,     // [R, V] bf16|f32, inner dim contiguous
@@ -762,6 +740,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts", &moe_experts, "routed SwiGLU experts over device ids [T,k] (bf16|nvfp4 stacks), grouped by expert on the device -> f32|bf16 [T,h]");
   m.def("embedding_norm_concat", &embedding_norm_concat, "MTP fc input [rmsnorm(embed[ids]) | rmsnorm(hidden)] -> bf16 [T,2h]");
   m.def("embedding", &embedding, "table [V,h] bf16 rows by device ids [T] -> [T,h] bf16 (bad id -> zero row)");
-  m.def("l2_prefetch", &l2_prefetch, "strided byte regions of device memory -> L2 (bulk prefetch, evict_last or normal); no result");
   // ---- small fused kernels for layers (norm, rope, gating, argmax, moe; insert defs above this line) ----
 }

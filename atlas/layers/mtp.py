@@ -93,17 +93,6 @@ class MtpHead:
         self._pending: dict[Hashable, tuple[int, int]] = {}   # seq → (rows before propose, k)
         self._graphs: dict[tuple[int, int], ProposeGraph] = {}
         self._consts: dict[tuple, Tensor] = {}   # constant index tensors of _draft_metas, built once
-        # LM-head L2 prefetch (CUDA, NVFP4 head): at `_lm_prefetch_at` a forked stream starts
-        # streaming the head's first `_lm_prefetch_bytes` into L2 while the layer's latency-bound
-        # kernels leave DRAM idle; the LM head joins it (bench/NOTES.md, MtpHead.propose, session 35).
-        self._lm_prefetch_at = "attention"      # "start" | "attention" | "ffn" | None (off)
-        self._lm_prefetch_bytes = 0
-        self._lm_prefetch_evict_last = True
-        self._lm_prefetch_stream = None
-        if isinstance(lm_head, NVFP4Weight) and lm_head.packed.is_cuda:
-            props = torch.cuda.get_device_properties(lm_head.packed.device)
-            self._lm_prefetch_bytes = props.L2_cache_size // 2
-            self._lm_prefetch_stream = torch.cuda.Stream(device=lm_head.packed.device)
 
     # =========================================================================================
     # construction
@@ -252,7 +241,6 @@ class MtpHead:
         """The forward of the module docstring with meta.positions already = RoPE positions.
         kv_only: only write this step's drafter K/V (prefill, accept)."""
         rms = lambda x, w: ops.rms_norm(x, w, self.eps, self.zero_centered)  # noqa: E731
-        side = None if kv_only else self._fork_lm_prefetch("start")
         x = ops.embedding_norm_concat(self.embed_tokens, tokens, target_hidden, self.norm_embedding,
                                       self.norm_hidden, self.eps, self.zero_centered)     # [T, 2h] = [e | hh]
         x = self.fc(x)                                                                    # [T, h]
@@ -262,33 +250,11 @@ class MtpHead:
             # writes the bytes the full layer would.
             self.attn.write_kv(rms(x, self.input_layernorm), meta, self.cache, 0)
             return None
-        side = side or self._fork_lm_prefetch("attention")
         a = self.attn(rms(x, self.input_layernorm), meta, self.cache, 0)
-        side = side or self._fork_lm_prefetch("ffn")
         # residual adds fused into the next norm: x ← bf16(x + a), then the norm of that x
         f = self.ffn(ops.rms_norm(a, self.post_attention_layernorm, self.eps, self.zero_centered, residual=x))
         normed = ops.rms_norm(f, self.norm, self.eps, self.zero_centered, residual=x)     # x ← bf16(x + f)
-        if side is not None:
-            torch.cuda.current_stream(self.device).wait_stream(side)
         return self.logits(normed), normed
-
-    def _fork_lm_prefetch(self, at: str):
-        """At the forward's point `at`, when it is the configured one: fork a stream from the
-        current one and issue the L2 prefetch of the LM head's first rows on it (no sync; under
-        graph capture a branch of the graph). Returns the stream to join before the LM head, or
-        None."""
-        if self._lm_prefetch_at != at or self._lm_prefetch_bytes <= 0 or self._lm_prefetch_stream is None:
-            return None
-        packed, scale = self.lm_head.gemv_operands()
-        per_row = self.hidden_size * 9 // 16
-        rows = min(self.vocab, self._lm_prefetch_bytes // per_row) // 16 * 16
-        if rows == 0:
-            return None
-        main, side = torch.cuda.current_stream(self.device), self._lm_prefetch_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            ops.l2_prefetch(packed[:rows], scale[:rows], evict_last=self._lm_prefetch_evict_last)
-        return side
 
     def logits(self, normed: Tensor) -> Tensor:
         """LM head over the first V' rows: normed bf16 [T, h] → bf16 [T, V'] (a row prefix of the
